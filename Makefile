@@ -1,0 +1,38 @@
+# meshforge developer entry points. TORCH_SPEC picks the PyTorch build:
+# the default pins the CPU wheel; on a GPU machine use e.g. TORCH_SPEC='torch>=2.6'.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.meshforge-installed
+
+.PHONY: setup demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshforge train examples/gpt-tiny.yaml --nproc 2 --run-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff format --check src tests benchmarks examples scripts
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks examples scripts
+	$(BIN)/ruff check --fix src tests benchmarks examples scripts
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""`meshforge data ...` commands (filled in by the data layer)."""

@@ -1,0 +1,1 @@
+"""`meshforge train` and `meshforge worker`."""

@@ -1,0 +1,263 @@
+"""The job config: a pydantic v2 schema (unknown keys rejected), YAML loading and
+`--set key.path=value` overrides. Every error is a ConfigError naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from meshforge.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class ModelConfig(_Section):
+    name: Literal["gpt"] = "gpt"
+    vocab_size: int = Field(256, ge=2)
+    d_model: int = Field(128, ge=1)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    seq_len: int = Field(128, ge=2)
+    mlp_ratio: int = Field(4, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    source: str = "builtin:python-stdlib"
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    prefetch: int = Field(2, ge=0)
+
+
+class ParallelConfig(_Section):
+    dp: int | Literal["auto"] = "auto"
+    zero: Literal[0, 1, 2, 3] = 0
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: int = Field(4, ge=1)
+    virtual_stages: int = Field(1, ge=1)
+    mode: Literal["collective", "parameter_server"] = "collective"
+    bucket_mb: float = Field(25.0, gt=0)
+
+    @model_validator(mode="after")
+    def _dp_positive(self) -> ParallelConfig:
+        if self.dp != "auto" and self.dp < 1:
+            raise ValueError(f"parallel.dp must be >= 1 or 'auto', got {self.dp}")
+        return self
+
+
+class PrecisionConfig(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    initial_loss_scale: float = Field(2.0**16, gt=0)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, ge=1)
+    global_batch: int = Field(16, ge=1)
+    micro_batch: int = Field(4, ge=1)
+    lr: float = Field(3.0e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    seed: int = 1234
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    eval_every: int = Field(50, ge=0)  # 0 disables validation
+    eval_batches: int = Field(2, ge=1)
+    compile: bool = False
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(50, ge=0)  # 0: only at the end
+    keep: int = Field(3, ge=1)
+
+
+class ObserveConfig(_Section):
+    log_every: int = Field(10, ge=1)
+    tensorboard: bool = False
+    prometheus_port: int | None = Field(None, ge=1, le=65535)
+
+
+class RuntimeConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = Field(300.0, gt=0)
+    threads_per_worker: int | None = Field(None, ge=1)
+
+
+class JobConfig(_Section):
+    name: str = "job"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    observe: ObserveConfig = ObserveConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        m, p, t = self.model, self.parallel, self.train
+        if m.n_heads % p.tp:
+            raise ValueError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
+        if m.n_layers % (p.pp * p.virtual_stages):
+            raise ValueError(
+                f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} "
+                f"does not divide model.n_layers={m.n_layers}"
+            )
+        if t.global_batch % t.micro_batch:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by "
+                f"train.micro_batch={t.micro_batch}"
+            )
+        if p.dp != "auto":
+            _check_batch(t.global_batch, t.micro_batch, p.dp)
+        if t.warmup >= t.steps and t.steps > 1:
+            raise ValueError(f"train.warmup={t.warmup} must be below train.steps={t.steps}")
+        return self
+
+    # -- layout -------------------------------------------------------------
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
+        p = self.parallel
+        model_ranks = p.tp * p.pp
+        if world_size % model_ranks:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp x parallel.pp "
+                f"= {model_ranks}"
+            )
+        dp = world_size // model_ranks
+        if p.dp != "auto" and p.dp != dp:
+            raise ConfigError(
+                f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} does not equal the world size "
+                f"{world_size}"
+            )
+        try:
+            _check_batch(self.train.global_batch, self.train.micro_batch, dp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return dp
+
+    def grad_accum_steps(self, dp: int) -> int:
+        return self.train.global_batch // (dp * self.train.micro_batch)
+
+
+def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
+    if global_batch % (dp * micro_batch):
+        raise ValueError(
+            f"train.global_batch={global_batch} is not divisible by "
+            f"dp={dp} x train.micro_batch={micro_batch}"
+        )
+
+
+# -- loading -----------------------------------------------------------------
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(part) for part in err["loc"])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{loc}'"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if not loc:
+        return msg
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{loc}: {msg}{shown}"
+
+
+def _parse_scalar(text: str) -> Any:
+    """Coerce an override value the way YAML would ('3' -> 3, 'true' -> True, 'null' -> None)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `key.path=value` to a raw config dict, checking the path against the schema."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
+    path, value_text = assignment.split("=", 1)
+    parts = path.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set has an empty key in {path!r}")
+    schema: type[BaseModel] = JobConfig
+    node = raw
+    for i, part in enumerate(parts):
+        fields = schema.model_fields
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"--set {path}: no key '{part}' in {where}")
+        annotation = fields[part].annotation
+        is_last = i == len(parts) - 1
+        if is_last:
+            node[part] = _parse_scalar(value_text)
+            return
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+        node, schema = child, annotation
+
+
+def build_config(raw: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"config path is a directory, not a file: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"invalid YAML in {path}{where}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file is not UTF-8 text: {path}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
+    raw = load_raw(path) if path is not None else {}
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    return build_config(raw)
+
+
+def dump_config(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    Path(path).write_text(dump_config(cfg))
