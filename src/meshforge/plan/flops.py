@@ -46,3 +46,78 @@ def training_flops_per_token(shape: GPTShape) -> float:
     (forward + backward, half the s x s matrix)."""
     params = gpt_param_count(shape)
     return 6.0 * params.non_embedding + 6.0 * shape.n_layers * shape.seq_len * shape.d_model
+
+
+# -- Megatron-LM conventions (model and hardware FLOPs) ------------------------
+#
+# Megatron counts every matmul of a step, with the full s x s attention product
+# and the output logits, and reports "hardware" FLOPs that include recomputation.
+# The planner reports MFU and HFU in this convention so that its predictions can
+# be checked against the published Megatron tables.
+
+
+def megatron_full_recompute_flops(
+    batch: int, seq: int, layers: int, hidden: int, vocab: int
+) -> float:
+    """Hardware FLOPs of one iteration with full recomputation.
+
+    F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))  (Narayanan et al. 2104.04473, eq. 3)."""
+    b, s, l, h, v = batch, seq, layers, hidden, vocab
+    return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+
+
+def korthikanti_model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one iteration, no recomputation counted.
+
+    72·B·l·s·h²·(1 + s/(6h) + V/(12·h·l))  (Korthikanti et al. 2205.05198, appendix A)."""
+    b, s, l, h, v = batch, seq, layers, hidden, vocab
+    return 72.0 * b * l * s * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
+
+
+def korthikanti_selective_hardware_flops(
+    batch: int, seq: int, layers: int, hidden: int, vocab: int
+) -> float:
+    """Hardware FLOPs of one iteration with selective recomputation.
+
+    72·B·l·s·h²·(1 + s/(3h) + V/(12·h·l))  (Korthikanti et al. 2205.05198, appendix A)."""
+    b, s, l, h, v = batch, seq, layers, hidden, vocab
+    return 72.0 * b * l * s * h * h * (1.0 + s / (3.0 * h) + v / (12.0 * h * l))
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one micro-batch of b sequences, split where the planner needs it."""
+
+    layer_forward: float  # one transformer layer, forward only
+    attention_core_forward: float  # the s x s part of layer_forward (QK^T and AV)
+    logits_forward: float  # output projection onto the vocabulary
+
+    def model(self, n_layers: int) -> float:
+        """Forward + backward (backward = 2 x forward), nothing recomputed."""
+        return 3.0 * (n_layers * self.layer_forward + self.logits_forward)
+
+    def hardware(self, n_layers: int, recompute: str) -> float:
+        """Model FLOPs plus recomputation, as Megatron-LM counts it.
+
+        full: one more forward of every layer (Narayanan eq. 3: the 96 vs 72 factor);
+        selective: the attention core once more at its full training cost, which is
+        Korthikanti's accounting (s/(6h) becomes s/(3h))."""
+        extra = 0.0
+        if recompute == "full":
+            extra = n_layers * self.layer_forward
+        elif recompute == "selective":
+            extra = n_layers * 3.0 * self.attention_core_forward
+        return self.model(n_layers) + extra
+
+
+def microbatch_flops(shape: GPTShape, micro_batch: int) -> StepFlops:
+    """Matmul FLOPs of one micro-batch, for any MLP ratio r.
+
+    Per layer forward: 2·b·s·(3h² + h² + 2·r·h²) for the QKV, output and MLP matmuls,
+    plus 4·b·s²·h for QK^T and AV; logits 2·b·s·V·h. With r = 4 and training = 3 x
+    forward this is exactly Korthikanti's 72·b·l·s·h²·(1 + s/(6h) + V/(12·h·l))."""
+    b, s, h, r = micro_batch, shape.seq_len, shape.d_model, shape.mlp_ratio
+    attention_core = 4.0 * b * s * s * h
+    layer = 2.0 * b * s * (4 + 2 * r) * h * h + attention_core
+    logits = 2.0 * b * s * shape.vocab_size * h
+    return StepFlops(layer, attention_core, logits)

@@ -1,0 +1,126 @@
+"""Start worker processes on this node through the torch elastic agent.
+
+The agent (the machinery behind torchrun) spawns `meshforge worker`, watches it,
+and reports which rank failed and why; multi-node rendezvous uses torchrun's
+own c10d or static backends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+@dataclass
+class NodeSpec:
+    """torchrun's multi-node flags."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    local_addr: str | None = None
+    max_restarts: int = 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
+    rdzv_configs: dict[str, Any] = {}
+    if node.rdzv_endpoint or node.rdzv_backend == "c10d":
+        backend, endpoint = node.rdzv_backend or "c10d", node.rdzv_endpoint or ""
+        rdzv_configs["is_host"] = node.node_rank == 0
+    elif node.nnodes > 1 or node.master_addr:
+        # torchrun's default for --master-addr/--node-rank: a static rendezvous.
+        backend = "static"
+        endpoint = f"{node.master_addr or '127.0.0.1'}:{node.master_port or 29500}"
+        rdzv_configs["rank"] = node.node_rank
+    else:
+        backend, endpoint = "c10d", f"127.0.0.1:{node.master_port or free_port()}"
+    return LaunchConfig(
+        min_nodes=node.nnodes,
+        max_nodes=node.nnodes,
+        nproc_per_node=nproc,
+        run_id=node.rdzv_id or f"meshforge-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=node.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr=node.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.NONE, tee=Std.NONE),
+    )
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _failure_message(failure) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", json.dumps(msg))
+    msg = str(msg or "").strip()
+    if not msg or msg.startswith("To enable traceback"):
+        return "no error recorded (see its log)"
+    return msg.splitlines()[-1] if "Traceback" in msg else msg.splitlines()[0]
+
+
+def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Path) -> dict | None:
+    """Run `python -m meshforge WORKER_ARGS` on nproc local processes.
+
+    Returns None on success, or a failure description (also written to
+    RUN_DIR/health/diagnosis.json)."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = _launch_config(nproc, node, run_dir / "logs" / "elastic")
+    launch = elastic_launch(config, sys.executable)
+    try:
+        launch("-u", "-m", "meshforge", *worker_args)
+        return None
+    except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()
+        failures = [
+            {
+                "rank": r,
+                "local_rank": f.local_rank,
+                "pid": f.pid,
+                "exitcode": f.exitcode,
+                "exit": describe_exit(f.exitcode),
+                "error": _failure_message(f),
+                "log": str(run_dir / "logs" / f"rank-{r}.log"),
+            }
+            for r, f in sorted(exc.failures.items())
+        ]
+        diagnosis = {
+            "time": time.time(),
+            "first_failure": next(f for f in failures if f["rank"] == rank),
+            "failures": failures,
+        }
+        health = run_dir / "health"
+        health.mkdir(parents=True, exist_ok=True)
+        (health / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
+        return diagnosis

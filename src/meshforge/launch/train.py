@@ -1,0 +1,71 @@
+"""`meshforge train`: validate everything cheap before a worker starts, then launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from meshforge.config import JobConfig, load_config, save_config
+from meshforge.errors import DataError
+from meshforge.launch.local import NodeSpec, run_workers
+
+BUILTIN_SOURCES = ("builtin:python-stdlib",)
+
+
+def check_data_source(source: str) -> None:
+    if source.startswith("builtin:"):
+        if source not in BUILTIN_SOURCES:
+            known = ", ".join(BUILTIN_SOURCES)
+            raise DataError(f"data.source={source!r} is not a built-in corpus (known: {known})")
+        return
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data.source={source!r}: no such file or directory")
+    if path.is_dir() and not (path / "index.json").exists():
+        raise DataError(
+            f"data.source={source!r} has no index.json (make one with: meshforge data prepare)"
+        )
+
+
+def validate_job(cfg: JobConfig, world_size: int) -> None:
+    from meshforge.train.trainer import check_supported
+
+    check_supported(cfg)
+    cfg.resolve_dp(world_size)
+    check_data_source(cfg.data.source)
+
+
+def launch_training(
+    config_path: Path,
+    overrides: list[str],
+    nproc: int,
+    node: NodeSpec,
+    run_dir: Path | None,
+) -> int:
+    cfg = load_config(config_path, overrides)
+    world = nproc * node.nnodes
+    validate_job(cfg, world)
+    run_dir = Path(run_dir or Path("runs") / cfg.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    resolved = run_dir / "config.yaml"
+    save_config(cfg, resolved)
+    dp = cfg.resolve_dp(world)
+    print(
+        f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dp} zero={cfg.parallel.zero} "
+        f"accum={cfg.grad_accum_steps(dp)} dtype={cfg.precision.dtype} -> {run_dir}",
+        flush=True,
+    )
+    diagnosis = run_workers(["worker", str(resolved), "--run-dir", str(run_dir)], nproc, node, run_dir)
+    if diagnosis is None:
+        return 0
+    from meshforge.train.report import write_failure_report
+
+    first = diagnosis["first_failure"]
+    write_failure_report(run_dir, diagnosis)
+    print(
+        f"meshforge: rank {first['rank']} failed ({first['exit']}): {first['error']} "
+        f"[log: {first['log']}]",
+        file=sys.stderr,
+    )
+    return 1

@@ -1,0 +1,237 @@
+"""The rank-0 console: a live progress bar while training, a summary table after.
+
+On a terminal, ``TrainingProgress`` draws a rich progress bar; when stdout is
+a pipe or a file (CI logs, ``logs/rank-0.log``) it prints one plain status line
+per update instead, so the log still shows progress. Other ranks pass
+``enabled=False`` and every method does nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import TracebackType
+from typing import Any, Self
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+from rich.text import Text
+
+
+def format_bytes(n: float | None) -> str:
+    if isinstance(n, bool) or not isinstance(n, int | float):
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def format_count(n: float | None) -> str:
+    if isinstance(n, bool) or not isinstance(n, int | float):
+        return "n/a"
+    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= threshold:
+            return f"{n / threshold:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def format_percent(fraction: float | None) -> str:
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        return "n/a"
+    return f"{100 * fraction:.1f}%"
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _num(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _status_text(metrics: dict[str, Any], eta_s: float | None) -> str:
+    parts = []
+    loss, lr, grad_norm = _num(metrics, "loss"), _num(metrics, "lr"), _num(metrics, "grad_norm")
+    parts.append(f"loss {loss:.4f}" if loss is not None else "loss n/a")
+    if lr is not None:
+        parts.append(f"lr {lr:.2e}")
+    if grad_norm is not None:
+        parts.append(f"gnorm {grad_norm:.3f}")
+    tokens = _num(metrics, "tokens_per_s")
+    parts.append(f"{tokens:,.0f} tok/s" if tokens is not None else "tok/s n/a")
+    parts.append(f"MFU {format_percent(_num(metrics, 'mfu'))}")
+    step_time = _num(metrics, "step_time_s")
+    parts.append(f"step {step_time:.3f} s" if step_time is not None else "step n/a")
+    if step_time:
+        shares = [
+            f"{label} {100 * value / step_time:.0f}%"
+            for key, label in (("data_s", "data"), ("comm_s", "comm"))
+            if (value := _num(metrics, key)) is not None
+        ]
+        if shares:
+            parts.append(" ".join(shares))
+    parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class TrainingProgress:
+    """Live progress of a training run on rank 0; a no-op elsewhere."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        title: str = "training",
+        console: Console | None = None,
+    ) -> None:
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.enabled = enabled
+        self.title = title
+        self._console = console if console is not None else Console()
+        self._progress: Progress | None = None
+        self._task_id: Any = None
+        self._started_at = time.monotonic()
+
+    @property
+    def live(self) -> bool:
+        """Whether a live bar is drawn (enabled, on a terminal)."""
+        return self.enabled and self._console.is_terminal
+
+    def __enter__(self) -> Self:
+        if not self.enabled:
+            return self
+        self._started_at = time.monotonic()
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=self._console,
+                transient=False,
+            )
+            self._progress.start()
+            self._task_id = self._progress.add_task(
+                self.title, total=self.total_steps, completed=self.start_step, status=""
+            )
+        else:
+            self._console.print(
+                f"{self.title}: steps {self.start_step}..{self.total_steps}",
+                markup=False,
+                highlight=False,
+            )
+        return self
+
+    def _eta_s(self, step: int) -> float | None:
+        done = step - self.start_step
+        elapsed = time.monotonic() - self._started_at
+        if done <= 0 or elapsed <= 0:
+            return None
+        return max(0, self.total_steps - step) * elapsed / done
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        """Show ``step`` (steps completed so far) and the latest metrics."""
+        if not self.enabled:
+            return
+        status = _status_text(metrics, self._eta_s(step))
+        if self._progress is not None:
+            self._progress.update(self._task_id, completed=step, status=status)
+        else:
+            line = f"{self.title} step {step}/{self.total_steps} | {status}"
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def log(self, message: str) -> None:
+        """Print a line above the bar (or in sequence with the status lines)."""
+        if not self.enabled:
+            return
+        self._console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _layout_text(layout: Any) -> str:
+    if isinstance(layout, dict):
+        return " ".join(f"{k}={v}" for k, v in layout.items())
+    return "n/a" if layout is None else str(layout)
+
+
+def _per_rank(values: Any) -> list[tuple[str, Any]]:
+    """(rank label, value) pairs from a per-rank list or a {rank: value} dict."""
+    if isinstance(values, dict):
+        return [(str(rank), value) for rank, value in values.items()]
+    if isinstance(values, list | tuple):
+        return [(str(rank), value) for rank, value in enumerate(values)]
+    return [] if values is None else [("all", values)]
+
+
+def _model_state_text(states: Any) -> str:
+    lines = []
+    for rank, state in _per_rank(states):
+        if isinstance(state, dict):
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in state.items())
+        else:
+            parts = format_bytes(state)
+        lines.append(f"rank {rank}: {parts}")
+    return "\n".join(lines) or "n/a"
+
+
+def _breakdown_text(breakdown: Any) -> str:
+    if not isinstance(breakdown, dict) or not breakdown:
+        return "n/a"
+    return " · ".join(f"{k} {format_percent(v)}" for k, v in breakdown.items())
+
+
+def _loss_text(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "n/a"
+
+
+def print_summary(report: dict[str, Any], console: Console | None = None) -> None:
+    """Print the fields of ``report.json`` a user reads first, as one table."""
+    console = console if console is not None else Console()
+    tokens = report.get("tokens_per_s")
+    step_time = report.get("step_time_s")
+    peaks = _per_rank(report.get("peak_memory_bytes"))
+    resumed = report.get("resumed_from")
+    rows = [
+        ("status", str(report.get("status", "n/a"))),
+        ("steps", str(report.get("steps", "n/a"))),
+        ("world size", str(report.get("world_size", "n/a"))),
+        ("layout", _layout_text(report.get("layout"))),
+        ("parameters", format_count(report.get("model_params"))),
+        ("first loss", _loss_text(report.get("first_loss"))),
+        ("final loss", _loss_text(report.get("final_loss"))),
+        ("tokens/s", f"{tokens:,.0f}" if isinstance(tokens, int | float) else "n/a"),
+        ("MFU", format_percent(report.get("mfu"))),
+        ("step time (median)", f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a"),
+        ("time breakdown", _breakdown_text(report.get("time_breakdown"))),
+        ("model state per rank", _model_state_text(report.get("model_state_bytes"))),
+        ("peak memory per rank", "\n".join(f"rank {r}: {format_bytes(v)}" for r, v in peaks) or "n/a"),
+        ("resumed from step", "no" if resumed is None else str(resumed)),
+    ]
+    table = Table(title="run summary", show_header=False, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for field, value in rows:
+        table.add_row(field, Text(value))  # Text: values are data, never rich markup
+    console.print(table)

@@ -1,0 +1,113 @@
+"""``metrics.jsonl``: one JSON object per logged step, safe against crashes.
+
+Each record is written as one line and flushed at once, so a run that dies
+loses at most the line being written. ``read_jsonl`` ignores such a truncated
+last line; ``JsonlSink`` drops it before appending, so a resumed run never
+glues its first record onto a broken one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+
+def _to_json_value(value: Any) -> Any:
+    """JSON for what metrics hold besides plain numbers: tensors, numpy scalars, paths."""
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()  # 0-d torch tensors and numpy scalars
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"cannot write {type(value).__name__} to metrics.jsonl")
+
+
+def _finite_or_none(value: Any) -> Any:
+    # Strict JSON has no NaN or Infinity; a diverged loss is written as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """Cut a last line left without its newline by a crash mid-write."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        chunk = 1 << 16
+        pos = size
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            newline = f.read(pos - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+class JsonlSink:
+    """Appends records to a JSON-lines file, one flushed line per ``write``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            _drop_partial_last_line(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(_finite_or_none(record), default=_to_json_value, allow_nan=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; a truncated last line is ignored.
+
+    A malformed line anywhere else is real corruption and raises ValueError
+    naming the line."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # the line a crash interrupted
+            raise ValueError(f"{path}:{number}: not a JSON object: {err}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records

@@ -1,0 +1,275 @@
+"""Peak FLOP/s of the device a run trains on, the denominator of MFU.
+
+GPUs: a table of dense (no sparsity) tensor-core figures from NVIDIA's
+datasheets, matched by the full CUDA device name. A GPU that is not in the
+table gets ``None`` and source ``"unknown"``: never another GPU's figure, so
+MFU is reported as "n/a" rather than as a confident wrong number.
+
+CPUs: no datasheet applies, so the peak is a measured square-matmul rate for
+the run's dtype and torch thread count, cached per machine in
+``$MESHFORGE_CACHE/peak_flops.json`` (default ``~/.cache/meshforge/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class PeakFlops:
+    flops_per_s: float | None
+    source: str  # "table:<gpu> <dtype> dense", "measured:...", "cached:...", or "unknown"
+    device_name: str
+
+
+@dataclass(frozen=True)
+class _GpuSpec:
+    label: str
+    pattern: str  # full match against the normalised device name
+    bf16: float | None  # dense TFLOP/s
+    fp16: float | None
+    tf32: float | None
+    fp32: float
+
+
+# Dense TFLOP/s from NVIDIA datasheets. Where a datasheet only prints the
+# sparse figure (marked * there), the dense figure is half of it.
+# GeForce figures are FP16/BF16 with FP32 accumulate (what PyTorch uses).
+_GPU_TABLE: tuple[_GpuSpec, ...] = (
+    _GpuSpec("A100 SXM", r"A100 SXM4? (40|80)GB", 312, 312, 156, 19.5),
+    _GpuSpec("A100 PCIe", r"A100 (PCIE (40|80)GB|(40|80)GB PCIE)", 312, 312, 156, 19.5),
+    _GpuSpec("H100 SXM", r"H100( SXM5?)?( \d+GB)?( HBM3)?", 989, 989, 494.5, 67),
+    _GpuSpec("H100 PCIe", r"H100( \d+GB)? (PCIE|HBM2E)|H100 PCIE( \d+GB)?", 756, 756, 378, 51),
+    _GpuSpec("H100 NVL", r"H100 NVL( \d+GB)?", 835.5, 835.5, 417.5, 60),
+    _GpuSpec("H200 SXM", r"H200( SXM5?)?( \d+GB)?( HBM3E)?", 989, 989, 494.5, 67),
+    _GpuSpec("H200 NVL", r"H200 NVL( \d+GB)?", 835.5, 835.5, 417.5, 60),
+    _GpuSpec("GH200", r"GH200( \d+GB)?( HBM3E?)?", 989, 989, 494.5, 67),
+    _GpuSpec("L4", r"L4", 121, 121, 60, 30.3),
+    _GpuSpec("L40", r"L40", 181.05, 181.05, 90.5, 90.5),
+    _GpuSpec("L40S", r"L40S", 362.05, 362.05, 183, 91.6),
+    _GpuSpec("A10", r"A10", 125, 125, 62.5, 31.2),
+    _GpuSpec("A30", r"A30", 165, 165, 82, 10.3),
+    _GpuSpec("A40", r"A40", 149.7, 149.7, 74.8, 37.4),
+    _GpuSpec("V100 SXM2", r"V100 SXM2( \d+GB)?", None, 125, None, 15.7),
+    _GpuSpec("V100 PCIe", r"V100 PCIE( \d+GB)?", None, 112, None, 14),
+    _GpuSpec("V100S PCIe", r"V100S PCIE( \d+GB)?", None, 130, None, 16.4),
+    _GpuSpec("T4", r"T4", None, 65, None, 8.1),
+    _GpuSpec("RTX 4090", r"RTX 4090", 165.2, 165.2, 82.6, 82.6),
+    _GpuSpec("RTX 3090", r"RTX 3090", 71, 71, 35.6, 35.6),
+)
+
+_DTYPE_ALIASES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _canonical_dtype(dtype: str) -> str:
+    try:
+        return _DTYPE_ALIASES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected fp32, tf32, bf16 or fp16") from None
+
+
+def _normalise_gpu_name(name: str) -> str:
+    text = re.sub(r"[\s\-_]+", " ", name.upper()).strip()
+    for prefix in ("NVIDIA ", "TESLA ", "GEFORCE "):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def _match_gpu(name: str) -> _GpuSpec | None:
+    normalised = _normalise_gpu_name(name)
+    matches = [spec for spec in _GPU_TABLE if re.fullmatch(spec.pattern, normalised)]
+    # Patterns are exclusive by construction; two matches would be a table bug.
+    return matches[0] if len(matches) == 1 else None
+
+
+def gpu_peak_flops(name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of the GPU named ``name`` for ``dtype``, or None if unknown.
+
+    ``dtype`` is fp32 (CUDA cores), tf32, bf16 or fp16 (tensor cores). None also
+    when the GPU has no such unit (bf16 on a V100)."""
+    key = _canonical_dtype(dtype)
+    spec = _match_gpu(name)
+    if spec is None:
+        return None
+    tflops = getattr(spec, key)
+    return None if tflops is None else float(tflops) * 1e12
+
+
+def cpu_model_name() -> str:
+    """The CPU model from /proc/cpuinfo, or what ``platform`` knows elsewhere."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("MESHFORGE_CACHE") or str(Path.home() / ".cache" / "meshforge")
+    return Path(root) / "peak_flops.json"
+
+
+def _cache_key(dtype: str, threads: int) -> str:
+    return f"{cpu_model_name()}|torch={torch.__version__}|{dtype}|threads={threads}"
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: measure again
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache_atomically(path: Path, data: dict[str, dict]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the new one, never half
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    # Ranks on one machine start together: the first measures, the others wait
+    # and read its figure instead of measuring on cores that are already busy.
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+def _measure_matmul_rate(dtype: str, threads: int, budget_s: float = 0.3) -> tuple[float, int]:
+    """Best rate of n x n matmuls, 2·n³ FLOPs each; n grows until one takes ~30 ms."""
+    torch_dtype = _TORCH_DTYPES["fp32" if dtype == "tf32" else dtype]
+    with _torch_threads(threads), torch.no_grad():
+        n, elapsed = 128, 0.0
+        while True:
+            a = torch.randn(n, n).to(torch_dtype)
+            b = torch.randn(n, n).to(torch_dtype)
+            torch.mm(a, b)  # warm-up: thread pool start, kernel selection
+            elapsed = _time_matmul(a, b)
+            if elapsed >= 0.01 or n >= 4096:
+                break
+            # Aim at ~30 ms per matmul (time grows as n³), at most 4x per step.
+            grow = min(4.0, (0.03 / max(elapsed, 1e-6)) ** (1 / 3))
+            n = min(4096, max(n + 64, int(n * grow) // 64 * 64))
+        repeats = max(3, min(50, int(budget_s / max(elapsed, 1e-6))))
+        best = min(_time_matmul(a, b) for _ in range(repeats))
+    return 2.0 * n**3 / best, n
+
+
+def measure_cpu_matmul_flops(dtype: str, threads: int | None = None, use_cache: bool = True) -> float:
+    """Measured peak matmul FLOP/s of this CPU for ``dtype`` with ``threads`` torch threads.
+
+    Cached per (cpu model, torch version, dtype, threads); a second call on the
+    same machine reads the cache instead of measuring."""
+    flops, _ = _cpu_peak(_canonical_dtype(dtype), threads or torch.get_num_threads(), use_cache)
+    return flops
+
+
+def _cpu_peak(dtype: str, threads: int, use_cache: bool) -> tuple[float, bool]:
+    """(FLOP/s, whether it came from the cache)."""
+    if not use_cache:
+        return _measure_matmul_rate(dtype, threads)[0], False
+    path = _cache_path()
+    key = _cache_key(dtype, threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(path):
+        entry = _read_cache(path).get(key)
+        if isinstance(entry, dict):
+            cached = entry.get("flops_per_s")
+            if isinstance(cached, int | float) and math.isfinite(cached) and cached > 0:
+                return float(cached), True
+        flops, n = _measure_matmul_rate(dtype, threads)
+        data = _read_cache(path)
+        data[key] = {"flops_per_s": flops, "matrix_size": n, "measured_unix_s": time.time()}
+        _write_cache_atomically(path, data)
+    return flops, False
+
+
+def _cuda_matmul_dtype(dtype: str) -> str:
+    # fp32 matmuls run on tensor cores as tf32 only when PyTorch is told to.
+    if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return dtype
+
+
+def detect_peak_flops(device: torch.device, dtype: str, threads: int | None = None) -> PeakFlops:
+    """Peak FLOP/s for MFU on ``device`` at ``dtype`` (one process, ``threads`` threads on CPU)."""
+    key = _canonical_dtype(dtype)
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        matmul_dtype = _cuda_matmul_dtype(key)
+        spec = _match_gpu(name)
+        flops = gpu_peak_flops(name, matmul_dtype)
+        if spec is None or flops is None:
+            return PeakFlops(None, "unknown", name)
+        return PeakFlops(flops, f"table:{spec.label} {matmul_dtype} dense", name)
+    if device.type == "cpu":
+        n_threads = threads or torch.get_num_threads()
+        flops, cached = _cpu_peak(key, n_threads, use_cache=True)
+        origin = "cached" if cached else "measured"
+        return PeakFlops(flops, f"{origin}:cpu matmul {key} threads={n_threads}", cpu_model_name())
+    return PeakFlops(None, "unknown", str(device))
+
+
+def mfu(achieved_flops_per_s: float | None, peak: PeakFlops) -> float | None:
+    """Model FLOPs utilisation = achieved model FLOP/s ÷ peak FLOP/s (REFERENCES.md).
+
+    None when either side is unknown; not clamped, so a value above 1 shows a
+    wrong peak or FLOP count instead of hiding it."""
+    if achieved_flops_per_s is None or peak.flops_per_s is None or peak.flops_per_s <= 0:
+        return None
+    if not math.isfinite(achieved_flops_per_s):
+        return None
+    return achieved_flops_per_s / peak.flops_per_s

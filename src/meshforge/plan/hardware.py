@@ -1,0 +1,165 @@
+"""What the planner knows about hardware: a GPU catalogue, link presets, and the
+cluster they make up. Pure data; figures from vendor datasheets (REFERENCES.md).
+
+Achievable bandwidths are lower than the nominal ones: each link preset carries the
+bus bandwidth (nccl-tests convention) that an all-reduce typically reaches on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshforge.errors import ConfigError
+from meshforge.plan.efficiency import A100_CURVE, ComputeCurve
+
+GIB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank, from a measured profile)."""
+
+    name: str
+    peak_flops_per_s: dict[str, float]  # dense matmul peak by precision: fp32, bf16, fp16
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    curve: ComputeCurve  # achievable fraction of peak for a given matmul size
+    reserved_bytes: float  # CUDA context, NCCL and cuBLAS workspaces: never available
+
+    def peak(self, precision: str) -> float:
+        try:
+            return self.peak_flops_per_s[precision]
+        except KeyError:
+            raise ConfigError(f"device {self.name} has no peak for precision={precision}") from None
+
+
+def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, bw_tbs: float):
+    return DeviceSpec(
+        name=name,
+        peak_flops_per_s={"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12,
+                          "fp32": fp32_tflops * 1e12},
+        memory_bytes=mem_gb * GB,
+        memory_bandwidth_bytes_per_s=bw_tbs * 1e12,
+        curve=A100_CURVE,
+        reserved_bytes=1.0 * GIB,
+    )  # fmt: skip
+
+
+# Vendor datasheets, dense (no sparsity). fp32 is plain FP32, not TF32: meshforge
+# does not turn TF32 on. The achievable-fraction curve is the one calibrated on
+# A100 (efficiency.py); it is applied to every GPU, which the docs say out loud.
+GPU_CATALOGUE: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        _gpu("a100-40gb", 312, 19.5, 40, 1.6),
+        _gpu("a100-80gb", 312, 19.5, 80, 2.0),
+        _gpu("h100", 989, 67, 80, 3.35),
+        _gpu("h200", 989, 67, 141, 4.8),
+    )
+}
+GPU_ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+
+def gpu_spec(name: str) -> DeviceSpec:
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPU_CATALOGUE:
+        known = ", ".join(sorted(GPU_CATALOGUE))
+        raise ConfigError(f"--gpu {name!r} is not in the catalogue ({known})")
+    return GPU_CATALOGUE[key]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link as one rank sees it.
+
+    busbw_bytes_per_s is the bus bandwidth one GPU's all-reduce reaches on it
+    (nccl-tests: busbw = algbw x 2(n-1)/n), so a ring all-reduce of S bytes over n
+    ranks takes 2(n-1)/n·S/busbw + 2(n-1)·latency_s. For a network it is per port."""
+
+    name: str
+    nominal_bytes_per_s: float
+    busbw_bytes_per_s: float
+    latency_s: float
+
+
+# Nominal rates from REFERENCES.md. Achievable fractions are the usual nccl-tests
+# figures: ~230 GB/s all-reduce busbw on DGX A100 NVLink 3 (300 GB/s each way),
+# ~360 GB/s on H100 NVLink 4 without NVLS (450 GB/s each way), ~92% of line rate on
+# InfiniBand, ~88% on RoCE, ~90% of TCP line rate on Ethernet.
+LINK_PRESETS: dict[str, LinkSpec] = {
+    link.name: link
+    for link in (
+        LinkSpec("nvlink3", 600 * GB, 230 * GB, 2e-6),
+        LinkSpec("nvlink4", 900 * GB, 360 * GB, 2e-6),
+        LinkSpec("pcie4", 32 * GB, 22 * GB, 3e-6),
+        LinkSpec("ib-hdr", 25 * GB, 23 * GB, 5e-6),
+        LinkSpec("ib-ndr", 50 * GB, 46 * GB, 5e-6),
+        LinkSpec("roce-100", 12.5 * GB, 11 * GB, 8e-6),
+        LinkSpec("eth-25", 3.125 * GB, 2.8 * GB, 30e-6),
+        LinkSpec("eth-10", 1.25 * GB, 1.12 * GB, 50e-6),
+    )
+}
+DEFAULT_INTRA_LINK = {"a100-40gb": "nvlink3", "a100-80gb": "nvlink3", "h100": "nvlink4",
+                      "h200": "nvlink4"}  # fmt: skip
+
+
+def link_spec(name: str, flag: str = "--network") -> LinkSpec:
+    key = name.lower()
+    if key not in LINK_PRESETS:
+        known = ", ".join(LINK_PRESETS)
+        raise ConfigError(f"{flag} {name!r} is not a known link preset ({known})")
+    return LINK_PRESETS[key]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, how many share a node, and the two links between them.
+
+    nics_per_node: inter-node ports per node (DGX-class nodes: one per GPU). A group
+    of k ranks per node that spans nodes can drive k·nics_per_node/gpus_per_node ports."""
+
+    device: DeviceSpec
+    n_gpus: int
+    gpus_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+    nics_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.n_gpus < 1:
+            raise ConfigError(f"--gpus must be >= 1, got {self.n_gpus}")
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.nics_per_node < 1:
+            raise ConfigError(f"--nics-per-node must be >= 1, got {self.nics_per_node}")
+        if self.n_gpus > self.gpus_per_node and self.n_gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"--gpus {self.n_gpus} is not a whole number of nodes of "
+                f"--gpus-per-node {self.gpus_per_node}"
+            )
+
+    def group_busbw(self, size: int, stride: int) -> tuple[float, float]:
+        """(bus bandwidth, per-step latency) of a collective over `size` ranks whose
+        global ranks are `stride` apart.
+
+        Inside a node: the intra link. Across nodes the node's egress carries the
+        ring's traffic, so busbw = k·(nics_per_node/gpus_per_node)·port busbw for
+        k group members per node, capped by the intra link (NCCL multi-rail rings)."""
+        span = size * stride
+        if span <= self.gpus_per_node:
+            return self.intra.busbw_bytes_per_s, self.intra.latency_s
+        per_node = max(1, self.gpus_per_node // stride) if stride < self.gpus_per_node else 1
+        per_node = min(per_node, size)
+        ports = per_node * self.nics_per_node / self.gpus_per_node
+        busbw = min(self.intra.busbw_bytes_per_s, ports * self.inter.busbw_bytes_per_s)
+        return busbw, self.inter.latency_s
+
+    def p2p_bandwidth(self, size: int, stride: int) -> tuple[float, float]:
+        """(bytes/s, latency) of the slowest hop of a chain of `size` ranks `stride`
+        apart (pipeline stages). Across nodes the concurrent senders of a node share
+        its ports."""
+        if size * stride <= self.gpus_per_node:
+            return self.intra.busbw_bytes_per_s, self.intra.latency_s
+        ports = self.nics_per_node / self.gpus_per_node
+        return ports * self.inter.busbw_bytes_per_s, self.inter.latency_s

@@ -1,0 +1,133 @@
+"""report.json and report.png of a run (schema in DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshforge.observe.metrics import read_jsonl
+from meshforge.observe.peak import PeakFlops
+
+if TYPE_CHECKING:
+    from meshforge.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def time_breakdown(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Fractions of the logged steps' time spent on data, compute, exposed comm, other."""
+    total = sum(r["step_time_s"] for r in rows)
+    if total <= 0:
+        return None
+    parts = {
+        "data": sum(r["data_s"] for r in rows),
+        "compute": sum(r["compute_s"] for r in rows),
+        "exposed_comm": sum(r["comm_s"] or 0.0 for r in rows),
+        "pipeline_bubble": 0.0,
+    }
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return {k: v / total for k, v in parts.items()}
+
+
+def build_report(
+    *,
+    trainer: Trainer,
+    rows: list[dict[str, Any]],
+    per_rank: list[dict[str, Any]],
+    peak: PeakFlops,
+    resumed_from: int | None,
+    last_checkpoint: int | None,
+    val_loss: float | None,
+    digest: str,
+    wall_s: float,
+    data_wait_s: float,
+) -> dict[str, Any]:
+    cfg = trainer.cfg
+    history = read_jsonl(trainer.run_dir / "metrics.jsonl")  # includes earlier attempts
+    # The first logged interval includes start-up; leave it out of rates when we can.
+    steady = rows[1:] if len(rows) > 1 else rows
+    tokens_per_s = _median([r["tokens_per_s"] for r in steady])
+    mfu = _median([r["mfu"] for r in steady])
+    report: dict[str, Any] = {
+        "status": "completed",
+        "name": cfg.name,
+        "steps": cfg.train.steps,
+        "world_size": trainer.rt.world_size,
+        "device": str(trainer.device),
+        "backend": trainer.rt.backend,
+        "layout": trainer.layout(),
+        "model_params": trainer.params.total,
+        "model_params_non_embedding": trainer.params.non_embedding,
+        "flops_per_token": trainer.flops_per_token,
+        "first_loss": history[0]["loss"] if history else None,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "val_loss": val_loss,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "peak_flops": {
+            "flops_per_s": peak.flops_per_s,
+            "source": peak.source,
+            "device": peak.device_name,
+        },
+        "step_time_s": _median([r["step_time_s"] for r in steady]),
+        "time_breakdown": time_breakdown(steady),
+        "data_wait_s": data_wait_s,
+        "model_state_bytes": [r["state"] for r in per_rank],
+        "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "predicted": predicted_for(trainer),
+        "resumed_from": resumed_from,
+        "last_checkpoint": last_checkpoint,
+        "final_param_digest": digest,
+        "wall_time_s": wall_s,
+    }
+    return report
+
+
+def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
+    """What the planner predicts for this run on this machine (None if it cannot)."""
+    try:
+        from meshforge.plan.selfcheck import predict_for_job
+    except ImportError:
+        return None
+    try:
+        return predict_for_job(trainer.cfg, trainer.rt.world_size, trainer.device.type)
+    except Exception as exc:  # a prediction must never fail a finished run
+        log.warning("planner prediction failed: %s", exc)
+        return {"error": str(exc)}
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> None:
+    run_dir = Path(run_dir)
+    tmp = run_dir / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, run_dir / "report.json")
+    try:
+        from meshforge.observe.plots import plot_report
+
+        plot_report(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "report.png")
+    except Exception as exc:  # the plot is a convenience; the JSON is the record
+        log.warning("could not draw report.png: %s", exc)
+
+
+def write_failure_report(run_dir: Path, failure: dict[str, Any]) -> None:
+    run_dir = Path(run_dir)
+    path = run_dir / "report.json"
+    report: dict[str, Any] = {}
+    if path.exists():
+        try:
+            report = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            report = {}
+    report.update({"status": "failed", "failure": failure})
+    tmp = run_dir / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, path)

@@ -1,0 +1,60 @@
+"""The per-process entry point used under torchrun, the elastic agent, srun or mpirun."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from meshforge.config import load_config
+from meshforge.runtime.env import detect_env
+
+
+def _setup_logging(run_dir: Path, rank: int) -> Path:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank-{rank}.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    return path
+
+
+@record
+def run_worker(config_path: Path, run_dir: Path) -> None:
+    from meshforge.runtime.dist import distributed
+    from meshforge.train.trainer import Trainer
+
+    run_dir = Path(run_dir)
+    env = detect_env()
+    _setup_logging(run_dir, env.rank)
+    log = logging.getLogger("meshforge.worker")
+    cfg = load_config(config_path)
+    log.info("starting: launcher=%s rank=%d/%d", env.launcher, env.rank, env.world_size)
+    try:
+        r = cfg.runtime
+        with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
+            log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
+            report = Trainer(cfg, run_dir, rt).fit()
+        log.info("finished")
+        if env.rank == 0 and report:
+            _announce(run_dir, report)
+    except BaseException:
+        log.exception("worker failed")
+        raise
+
+
+def _announce(run_dir: Path, report: dict) -> None:
+    from meshforge.observe.console import print_summary
+
+    print_summary(report)
+    print(f"run directory: {run_dir}")
+    print(f"sample from it: meshforge sample {run_dir} --prompt 'def '")
+    sys.stdout.flush()
