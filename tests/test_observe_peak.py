@@ -40,7 +40,12 @@ def test_h100_pcie_and_nvl_are_not_taken_for_the_sxm_part() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"],
+    [
+        "NVIDIA A100-SXM4-40GB",
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A100-PCIE-40GB",
+        "NVIDIA A100 80GB PCIe",
+    ],
 )
 def test_a100_40gb_and_80gb_both_peak_at_312_bf16(name: str) -> None:
     assert gpu_peak_flops(name, "bf16") == 312 * TFLOPS
@@ -105,7 +110,11 @@ def test_every_table_entry_matches_exactly_one_real_name() -> None:
     ]
     matched = set()
     for name in real_names:
-        hits = [s.label for s in peak._GPU_TABLE if re.fullmatch(s.pattern, peak._normalise_gpu_name(name))]
+        hits = [
+            s.label
+            for s in peak._GPU_TABLE
+            if re.fullmatch(s.pattern, peak._normalise_gpu_name(name))
+        ]
         assert len(hits) == 1, (name, hits)
         matched.update(hits)
     assert matched == {s.label for s in peak._GPU_TABLE}
@@ -134,7 +143,9 @@ def test_detect_on_a_known_cuda_device_names_the_table_row(monkeypatch: pytest.M
     assert found.source == "table:H100 SXM bf16 dense"
 
 
-def test_fp32_on_cuda_counts_tf32_only_when_pytorch_allows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp32_on_cuda_counts_tf32_only_when_pytorch_allows_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     previous = torch.get_float32_matmul_precision()
     try:
@@ -216,3 +227,14 @@ def test_mfu_is_none_when_either_side_is_unknown() -> None:
     assert mfu(1e12, PeakFlops(None, "unknown", "NVIDIA B200")) is None
     assert mfu(None, PeakFlops(1e12, "measured:cpu", "cpu")) is None
     assert mfu(float("nan"), PeakFlops(1e12, "measured:cpu", "cpu")) is None
+
+
+def test_an_unwritable_cache_still_gives_a_measured_figure(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("MESHFORGE_CACHE", str(blocker / "cache"))
+    found = detect_peak_flops(torch.device("cpu"), "fp32", threads=1)
+    assert found.flops_per_s is not None and found.flops_per_s > 0
+    assert found.source == "measured:cpu matmul fp32 threads=1"

@@ -75,7 +75,7 @@ class TrainConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     eval_every: int = Field(50, ge=0)  # 0 disables validation
     eval_batches: int = Field(2, ge=1)
@@ -128,8 +128,6 @@ class JobConfig(_Section):
             )
         if p.dp != "auto":
             _check_batch(t.global_batch, t.micro_batch, p.dp)
-        if t.warmup >= t.steps and t.steps > 1:
-            raise ValueError(f"train.warmup={t.warmup} must be below train.steps={t.steps}")
         return self
 
     # -- layout -------------------------------------------------------------

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import sys
 
-import click
+import typer
 
 from meshforge.cli.app import app
 from meshforge.errors import MeshforgeError
 
+try:  # typer >= 0.22 vendors click; older releases use the click package
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
 # Command modules register themselves on `app` when imported.
+from meshforge.cli import cost as _cost  # noqa: E402,F401
 from meshforge.cli import data as _data  # noqa: E402,F401
+from meshforge.cli import plan as _plan  # noqa: E402,F401
 from meshforge.cli import train as _train  # noqa: E402,F401
 
 
@@ -25,14 +32,16 @@ def _fail_usage(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError:
+    except click_exc.NoArgsIsHelpError:
         sys.exit(0)
-    except click.exceptions.UsageError as exc:
+    except click_exc.UsageError as exc:
         _fail_usage(exc.format_message())
-    except click.exceptions.Abort:
+    except click_exc.ClickException as exc:
+        _fail_usage(exc.format_message())
+    except typer.Abort:
         print("meshforge: aborted", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except MeshforgeError as exc:
         _fail_usage(str(exc))

@@ -56,6 +56,7 @@ def prepare_command(
         TimeRemainingColumn(),
         console=console,
         transient=True,
+        disable=not console.is_terminal,  # piped or in CI: no bar, stderr stays for errors
     ) as bar:
         task = bar.add_task("tokenizing", total=None)
         index = prepare(

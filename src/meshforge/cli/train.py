@@ -14,7 +14,9 @@ from meshforge.cli.app import app
 @app.command("train")
 def train(
     config: Annotated[Path, typer.Argument(help="Job config (YAML).")],
-    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Worker processes on this node.")] = 1,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Worker processes on this node.")
+    ] = 1,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
     overrides: Annotated[
         list[str] | None, typer.Option("--set", help="Override a config key: KEY.PATH=VALUE.")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the eager names, for type checkers and IDEs
         STDLIB_CORPUS,
         TokenSplits,
         cache_dir,
+        check_source,
         load_tokens,
         split_tokens,
     )
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the eager names, for type checkers and IDEs
         global_batch_offsets,
         rank_micro_batches,
         val_batches,
+        val_offsets,
     )
     from meshforge.data.shards import (
         DEFAULT_SHARD_TOKENS,
@@ -53,6 +55,7 @@ _EXPORTS = {
     "load_tokens": "corpus",
     "split_tokens": "corpus",
     "cache_dir": "corpus",
+    "check_source": "corpus",
     "INDEX_FORMAT": "shards",
     "DEFAULT_SHARD_TOKENS": "shards",
     "ShardedTokens": "shards",
@@ -63,6 +66,7 @@ _EXPORTS = {
     "global_batch_offsets": "loader",
     "rank_micro_batches": "loader",
     "val_batches": "loader",
+    "val_offsets": "loader",
 }
 
 __all__ = [
@@ -78,6 +82,7 @@ __all__ = [
     "TokenSplits",
     "VOCAB_SIZE",
     "cache_dir",
+    "check_source",
     "decode",
     "encode",
     "global_batch_offsets",
@@ -87,6 +92,7 @@ __all__ = [
     "rank_micro_batches",
     "split_tokens",
     "val_batches",
+    "val_offsets",
 ]
 
 

@@ -183,32 +183,55 @@ def split_tokens(tokens: Tokens, val_fraction: float) -> tuple[Tokens, Tokens]:
     return tokens[:n_train], tokens[n_train:]
 
 
-def load_tokens(source: str, val_fraction: float = 0.05, seq_len: int | None = None) -> TokenSplits:
-    """Load ``source`` (``builtin:python-stdlib`` or a shard directory) and split it.
-
-    With ``seq_len``, also checks that the training split holds at least one
-    sequence of ``seq_len + 1`` tokens. Every problem is a DataError naming
-    ``data.source`` (and ``model.seq_len`` where it is the cause).
-    """
+def _resolve(source: str) -> Path | None:
+    """None for the built-in corpus, else the shard directory; DataError if neither."""
     if source.startswith(BUILTIN_PREFIX):
         if source != STDLIB_CORPUS:
             known = ", ".join(BUILTIN_SOURCES)
             raise DataError(f"data.source {source!r}: unknown built-in corpus (known: {known})")
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data.source {source}: no such directory")
+    if not path.is_dir():
+        raise DataError(
+            f"data.source {source}: not a directory of token shards "
+            "(make one with `meshforge data prepare SRC OUT`)"
+        )
+    return path
+
+
+def check_source(source: str) -> None:
+    """Cheap up-front check of ``data.source`` (for the launcher): the name of a
+    built-in corpus, or a shard directory whose index and file sizes agree."""
+    path = _resolve(source)
+    if path is not None:
+        load_shards(path, context=f"data.source {source}")
+
+
+def load_tokens(source: str, val_fraction: float = 0.05, seq_len: int | None = None) -> TokenSplits:
+    """Load ``source`` (``builtin:python-stdlib`` or a shard directory) and split it.
+
+    With ``seq_len``, also checks that the training split (and a non-empty
+    validation split) holds at least one sequence of ``seq_len + 1`` tokens, so
+    that a too-short source fails before training rather than at the first eval.
+    Every problem is a DataError naming ``data.source`` (and ``model.seq_len``
+    where it is the cause).
+    """
+    path = _resolve(source)
+    if path is None:
         tokens: Tokens = stdlib_tokens()
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data.source {source}: no such directory")
-        if not path.is_dir():
-            raise DataError(
-                f"data.source {source}: not a directory of token shards "
-                "(make one with `meshforge data prepare SRC OUT`)"
-            )
         tokens = load_shards(path, context=f"data.source {source}")
     train, val = split_tokens(tokens, val_fraction)
     if seq_len is not None and len(train) < seq_len + 1:
         raise DataError(
             f"data.source {source}: the training split has {len(train)} tokens, fewer than "
             f"model.seq_len + 1 = {seq_len + 1}"
+        )
+    if seq_len is not None and val_fraction > 0 and len(val) < seq_len + 1:
+        raise DataError(
+            f"data.source {source}: the validation split (data.val_fraction={val_fraction}) "
+            f"has {len(val)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}"
         )
     return TokenSplits(train=train, val=val, vocab_size=VOCAB_SIZE, source=source)

@@ -30,12 +30,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), int64 [micro_batch, seq_len
 _VAL_STREAM = 0x76616C  # "val": keeps validation draws apart from any training step's
 
 
+def _check_seed(seed: int) -> None:
+    if seed < 0:  # np.random.SeedSequence takes non-negative entropy only
+        raise ConfigError(f"train.seed must be >= 0 for the data sampler, got {seed}")
+
+
 def global_batch_offsets(
     seed: int, step: int, n_tokens: int, seq_len: int, global_batch: int
 ) -> np.ndarray:
     """Start offsets (int64, shape [global_batch]) of the sequences of step ``step``."""
-    if seed < 0:
-        raise ConfigError(f"train.seed must be >= 0 for the data sampler, got {seed}")
+    _check_seed(seed)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     high = n_tokens - seq_len - 1
@@ -146,7 +150,7 @@ class DistributedBatchLoader:
             )
         if start_step < 0 or prefetch < 0:
             raise ValueError("start_step and prefetch must be >= 0")
-        global_batch_offsets(seed, 0, len(tokens), seq_len, 0)  # type: ignore[arg-type]
+        _check_seed(seed)
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -253,6 +257,30 @@ class DistributedBatchLoader:
         self.close()
 
 
+def val_offsets(
+    n_tokens: int, seq_len: int, batch_size: int, n_batches: int, seed: int
+) -> np.ndarray:
+    """Start offsets (int64 [n_batches, batch_size]) of the fixed validation sequences.
+
+    Stratified sampling: the valid offsets ``[0, n_tokens - seq_len - 1]`` are cut
+    into ``n_batches * batch_size`` equal strata with one random offset
+    (``default_rng([seed, _VAL_STREAM])``) in each, so the whole validation split
+    is covered; batch b holds strata b, b + n_batches, b + 2 * n_batches, ...
+    """
+    high = n_tokens - seq_len - 1
+    if high < 0:
+        raise DataError(
+            f"the validation split has {n_tokens} tokens, fewer than "
+            f"model.seq_len + 1 = {seq_len + 1}; raise data.val_fraction or lower model.seq_len"
+        )
+    _check_seed(seed)
+    total = batch_size * n_batches
+    edges = np.linspace(0, high + 1, total + 1)
+    u = np.random.default_rng([seed, _VAL_STREAM]).random(total)
+    offsets = np.minimum(np.floor(edges[:-1] + u * np.diff(edges)), high).astype(np.int64)
+    return offsets.reshape(batch_size, n_batches).T.copy()
+
+
 def val_batches(
     val_tokens: object,
     seq_len: int,
@@ -262,30 +290,14 @@ def val_batches(
     dp_size: int = 1,
     seed: int = 0,
 ) -> list[Batch]:
-    """Fixed validation batches for this rank: the same list on every call.
+    """This rank's fixed validation batches (the same list on every call).
 
-    ``n_batches * batch_size`` sequences are placed by stratified sampling: the
-    valid offsets ``[0, len - seq_len - 1]`` are cut into that many equal strata
-    with one random offset (``default_rng([seed, _VAL_STREAM])``) in each, so the
-    whole validation split is covered. Batch b holds strata b, b + n_batches, ...
-    and rank r of D takes sequences ``[r * B / D, (r + 1) * B / D)`` of each batch.
+    ``batch_size`` is sequences per batch for the whole job (see
+    :func:`val_offsets`); rank r of D takes ``[r * B / D, (r + 1) * B / D)`` of each.
     """
-    n = len(val_tokens)  # type: ignore[arg-type]
-    high = n - seq_len - 1
-    if high < 0:
-        raise DataError(
-            f"the validation split has {n} tokens, fewer than model.seq_len + 1 = {seq_len + 1}; "
-            "raise data.val_fraction or lower model.seq_len"
-        )
-    if seed < 0:
-        raise ConfigError(f"train.seed must be >= 0 for the data sampler, got {seed}")
+    offsets = val_offsets(len(val_tokens), seq_len, batch_size, n_batches, seed)  # type: ignore[arg-type]
     mine = rank_slice(batch_size, dp_rank, dp_size)
-    total = batch_size * n_batches
-    edges = np.linspace(0, high + 1, total + 1)
-    u = np.random.default_rng([seed, _VAL_STREAM]).random(total)
-    offsets = np.minimum(np.floor(edges[:-1] + u * np.diff(edges)), high).astype(np.int64)
-    batches = []
-    for b in range(n_batches):
-        batch_offsets = offsets[b::n_batches][mine]
-        batches.append(_to_batch(gather_sequences(val_tokens, batch_offsets, seq_len + 1), False))
-    return batches
+    return [
+        _to_batch(gather_sequences(val_tokens, batch[mine], seq_len + 1), False)
+        for batch in offsets
+    ]

@@ -31,6 +31,8 @@ def encode(text: str) -> np.ndarray:
 
 def decode(tokens: np.ndarray | Iterable[int]) -> str:
     """Text of a token sequence; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD."""
+    if hasattr(tokens, "cpu"):  # a torch tensor, possibly on an accelerator
+        tokens = tokens.cpu()
     if not hasattr(tokens, "__array__") and not isinstance(tokens, (list, tuple)):
         tokens = list(tokens)  # a generator or other plain iterable
     arr = np.asarray(tokens)

@@ -6,25 +6,8 @@ import sys
 from pathlib import Path
 
 from meshforge.config import JobConfig, load_config, save_config
-from meshforge.errors import DataError
+from meshforge.data.corpus import check_source
 from meshforge.launch.local import NodeSpec, run_workers
-
-BUILTIN_SOURCES = ("builtin:python-stdlib",)
-
-
-def check_data_source(source: str) -> None:
-    if source.startswith("builtin:"):
-        if source not in BUILTIN_SOURCES:
-            known = ", ".join(BUILTIN_SOURCES)
-            raise DataError(f"data.source={source!r} is not a built-in corpus (known: {known})")
-        return
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"data.source={source!r}: no such file or directory")
-    if path.is_dir() and not (path / "index.json").exists():
-        raise DataError(
-            f"data.source={source!r} has no index.json (make one with: meshforge data prepare)"
-        )
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
@@ -32,7 +15,7 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
 
     check_supported(cfg)
     cfg.resolve_dp(world_size)
-    check_data_source(cfg.data.source)
+    check_source(cfg.data.source)
 
 
 def launch_training(
@@ -56,7 +39,9 @@ def launch_training(
         f"accum={cfg.grad_accum_steps(dp)} dtype={cfg.precision.dtype} -> {run_dir}",
         flush=True,
     )
-    diagnosis = run_workers(["worker", str(resolved), "--run-dir", str(run_dir)], nproc, node, run_dir)
+    diagnosis = run_workers(
+        ["worker", str(resolved), "--run-dir", str(run_dir)], nproc, node, run_dir
+    )
     if diagnosis is None:
         return 0
     from meshforge.train.report import write_failure_report

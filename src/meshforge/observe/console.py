@@ -223,10 +223,16 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         ("final loss", _loss_text(report.get("final_loss"))),
         ("tokens/s", f"{tokens:,.0f}" if isinstance(tokens, int | float) else "n/a"),
         ("MFU", format_percent(report.get("mfu"))),
-        ("step time (median)", f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a"),
+        (
+            "step time (median)",
+            f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a",
+        ),
         ("time breakdown", _breakdown_text(report.get("time_breakdown"))),
         ("model state per rank", _model_state_text(report.get("model_state_bytes"))),
-        ("peak memory per rank", "\n".join(f"rank {r}: {format_bytes(v)}" for r, v in peaks) or "n/a"),
+        (
+            "peak memory per rank",
+            "\n".join(f"rank {r}: {format_bytes(v)}" for r, v in peaks) or "n/a",
+        ),
         ("resumed from step", "no" if resumed is None else str(resumed)),
     ]
     table = Table(title="run summary", show_header=False, title_justify="left")

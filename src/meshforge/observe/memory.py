@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import psutil
 import torch
 
 try:  # DTensor is public from torch 2.5; a build without distributed has none
@@ -25,12 +26,14 @@ def peak_memory_bytes(device: torch.device | str) -> int:
 
     CUDA: the caching allocator's peak of allocated tensor memory
     (``torch.cuda.max_memory_allocated``). Elsewhere: the process's peak
-    resident set size (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    resident set size (``ru_maxrss``: KiB on Linux, bytes on macOS), at least the current RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)
+    max_rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
+    # Linux syncs the high-water mark lazily; never report less than what is resident now.
+    return int(max(max_rss_bytes, psutil.Process().memory_info().rss))
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -53,7 +56,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """[start, end) bytes of ``tensor`` within its storage, views and strides included."""
     item = tensor.element_size()
-    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    extent = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
     start = tensor.storage_offset() * item
     return start, start + extent * item
 

@@ -16,25 +16,20 @@ from types import TracebackType
 from typing import Any, Self
 
 
-def _to_json_value(value: Any) -> Any:
-    """JSON for what metrics hold besides plain numbers: tensors, numpy scalars, paths."""
-    if hasattr(value, "item") and callable(value.item):
-        return value.item()  # 0-d torch tensors and numpy scalars
-    if hasattr(value, "tolist") and callable(value.tolist):
-        return value.tolist()
+def _plain(value: Any) -> Any:
+    """``value`` as plain JSON values: tensors and numpy values as numbers or lists,
+    paths as strings, and NaN or infinity as null (strict JSON has neither, and
+    a diverged loss must not make the file unreadable to other tools)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    raise TypeError(f"cannot write {type(value).__name__} to metrics.jsonl")
-
-
-def _finite_or_none(value: Any) -> Any:
-    # Strict JSON has no NaN or Infinity; a diverged loss is written as null.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return _plain(value.tolist())  # torch tensors, numpy arrays and scalars
     return value
 
 
@@ -71,7 +66,7 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(_finite_or_none(record), default=_to_json_value, allow_nan=False)
+        line = json.dumps(_plain(record), allow_nan=False)
         self._file.write(line + "\n")
         self._file.flush()
 
@@ -108,6 +103,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 break  # the line a crash interrupted
             raise ValueError(f"{path}:{number}: not a JSON object: {err}") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
+            )
         records.append(record)
     return records

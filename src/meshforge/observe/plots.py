@@ -16,7 +16,12 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-_BREAKDOWN = (("data_s", "data"), ("compute_s", "compute"), ("comm_s", "comm"), ("other_s", "other"))
+_BREAKDOWN = (
+    ("data_s", "data"),
+    ("compute_s", "compute"),
+    ("comm_s", "comm"),
+    ("other_s", "other"),
+)
 _COLORS = ("#8c8c8c", "#4c72b0", "#dd8452", "#c9c9c9")
 
 

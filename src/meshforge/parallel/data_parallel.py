@@ -1,14 +1,14 @@
 """Data parallelism and ZeRO stages on a DeviceMesh, all from torch.distributed.
 
-    zero=0  DDP: parameters, gradients and optimizer states replicated; gradients
-            all-reduced in buckets (parallel.bucket_mb) overlapped with backward.
-    zero=1  DDP + ZeroRedundancyOptimizer: AdamW states sharded across dp ranks;
-            each rank updates the parameters it owns and broadcasts them.
-    zero=2  FSDP2 fully_shard per block with reshard_after_forward=False: gradients
-            and optimizer states sharded, parameters gathered once per step and
-            kept unsharded from forward to the end of backward.
-    zero=3  FSDP2 fully_shard per block, resharded after forward: parameters,
-            gradients and optimizer states sharded; a block is gathered when used.
+zero=0  DDP: parameters, gradients and optimizer states replicated; gradients
+        all-reduced in buckets (parallel.bucket_mb) overlapped with backward.
+zero=1  DDP + ZeroRedundancyOptimizer: AdamW states sharded across dp ranks;
+        each rank updates the parameters it owns and broadcasts them.
+zero=2  FSDP2 fully_shard per block with reshard_after_forward=False: gradients
+        and optimizer states sharded, parameters gathered once per step and
+        kept unsharded from forward to the end of backward.
+zero=3  FSDP2 fully_shard per block, resharded after forward: parameters,
+        gradients and optimizer states sharded; a block is gathered when used.
 """
 
 from __future__ import annotations

@@ -62,16 +62,16 @@ def megatron_full_recompute_flops(
     """Hardware FLOPs of one iteration with full recomputation.
 
     F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))  (Narayanan et al. 2104.04473, eq. 3)."""
-    b, s, l, h, v = batch, seq, layers, hidden, vocab
-    return 96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    b, s, n, h, v = batch, seq, layers, hidden, vocab
+    return 96.0 * b * s * n * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
 
 
 def korthikanti_model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """Model FLOPs of one iteration, no recomputation counted.
 
     72·B·l·s·h²·(1 + s/(6h) + V/(12·h·l))  (Korthikanti et al. 2205.05198, appendix A)."""
-    b, s, l, h, v = batch, seq, layers, hidden, vocab
-    return 72.0 * b * l * s * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
+    b, s, n, h, v = batch, seq, layers, hidden, vocab
+    return 72.0 * b * n * s * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * n))
 
 
 def korthikanti_selective_hardware_flops(
@@ -80,8 +80,8 @@ def korthikanti_selective_hardware_flops(
     """Hardware FLOPs of one iteration with selective recomputation.
 
     72·B·l·s·h²·(1 + s/(3h) + V/(12·h·l))  (Korthikanti et al. 2205.05198, appendix A)."""
-    b, s, l, h, v = batch, seq, layers, hidden, vocab
-    return 72.0 * b * l * s * h * h * (1.0 + s / (3.0 * h) + v / (12.0 * h * l))
+    b, s, n, h, v = batch, seq, layers, hidden, vocab
+    return 72.0 * b * n * s * h * h * (1.0 + s / (3.0 * h) + v / (12.0 * h * n))
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,11 @@ class StepFlops:
     attention_core_forward: float  # the s x s part of layer_forward (QK^T and AV)
     logits_forward: float  # output projection onto the vocabulary
 
-    def model(self, n_layers: int) -> float:
+    def model(self, n_layers: float) -> float:
         """Forward + backward (backward = 2 x forward), nothing recomputed."""
         return 3.0 * (n_layers * self.layer_forward + self.logits_forward)
 
-    def hardware(self, n_layers: int, recompute: str) -> float:
+    def hardware(self, n_layers: float, recompute: str) -> float:
         """Model FLOPs plus recomputation, as Megatron-LM counts it.
 
         full: one more forward of every layer (Narayanan eq. 3: the 96 vs 72 factor);
@@ -121,3 +121,31 @@ def microbatch_flops(shape: GPTShape, micro_batch: int) -> StepFlops:
     layer = 2.0 * b * s * (4 + 2 * r) * h * h + attention_core
     logits = 2.0 * b * s * shape.vocab_size * h
     return StepFlops(layer, attention_core, logits)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds under tensor and pipeline parallelism (busiest stage)."""
+
+    total: float
+    block: float  # one transformer block on this rank
+    root: float  # embeddings / final norm / head on this rank (FSDP's root module)
+
+
+def params_per_rank(shape: GPTShape, tp: int = 1, pp: int = 1) -> RankParams:
+    """Megatron-style split: weight matrices and column-parallel biases are divided by
+    t; row-parallel biases and LayerNorms are replicated; the token embedding is
+    vocab-parallel, the position embedding replicated. With pp > 1 the first stage
+    holds the embeddings and the last stage a copy of the tied head (V·h/t)."""
+    h, r, t = shape.d_model, shape.mlp_ratio, tp
+    attn = (3 * h * h + 3 * h + h * h) / t + h
+    mlp = (r * h * h + r * h + r * h * h) / t + h
+    block = attn + mlp + 4 * h
+    blocks = shape.n_layers / pp * block
+    embeddings = shape.vocab_size * h / t + shape.seq_len * h
+    if pp == 1:
+        root = embeddings + 2 * h
+        return RankParams(blocks + root, block, root)
+    first, last = embeddings, shape.vocab_size * h / t + 2 * h
+    root = max(first, last)
+    return RankParams(blocks + root, block, root)

@@ -27,12 +27,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from meshforge.errors import CheckpointError
+from meshforge.train.faults import fail_before_commit
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
-FAULT_ENV = "MESHFORGE_FAULT"  # "before_commit:STEP" fails rank 0 after shards are written
 
 
 def step_dir_name(step: int) -> str:
@@ -128,11 +128,6 @@ class Snapshot:
     trainer_state: dict[str, Any]  # rank 0's is written
 
 
-def _injected_fault(step: int) -> bool:
-    spec = os.environ.get(FAULT_ENV, "")
-    return spec.startswith("before_commit:") and int(spec.split(":", 1)[1]) == step
-
-
 def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int) -> Path:
     """Collective: every rank calls it. Returns the committed directory."""
     rank = dist.get_rank()
@@ -149,7 +144,7 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int) -> Path:
         (tmp / TRAINER_STATE).write_text(json.dumps(snap.trainer_state, indent=1))
     dist.barrier()
     if rank == 0:
-        if _injected_fault(step):
+        if fail_before_commit(step):
             raise RuntimeError(f"injected fault before committing checkpoint of step {step}")
         write_manifest(tmp, step)
         if final.exists():  # a previous run reached the same step; replace it whole

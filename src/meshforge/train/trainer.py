@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from meshforge.config import JobConfig
-from meshforge.data.loader import DistributedBatchLoader, load_tokens, val_batches
+from meshforge.data.corpus import load_tokens
+from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, shape_of
 from meshforge.observe.console import TrainingProgress
@@ -38,6 +39,7 @@ from meshforge.parallel.data_parallel import (
 from meshforge.plan.flops import gpt_param_count, training_flops_per_token
 from meshforge.runtime.dist import Runtime
 from meshforge.train import checkpoint as ckpt
+from meshforge.train import faults
 from meshforge.train.report import build_report, write_report
 from meshforge.train.schedule import lr_factor
 
@@ -67,7 +69,7 @@ class Trainer:
         t = cfg.train
 
         torch.manual_seed(t.seed)  # identical initial weights on every rank
-        self.splits = load_tokens(cfg.data.source, cfg.data.val_fraction)
+        self.splits = load_tokens(cfg.data.source, cfg.data.val_fraction, seq_len=cfg.model.seq_len)
         if self.splits.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
@@ -186,7 +188,7 @@ class Trainer:
         batches = val_batches(
             self.splits.val,
             c.model.seq_len,
-            c.train.micro_batch,
+            c.train.micro_batch * self.dp,
             c.train.eval_batches,
             self.mesh.get_local_rank(),
             self.dp,
@@ -310,8 +312,11 @@ class Trainer:
                 done = step + 1
                 every = c.checkpoint.every
                 if (every and done % every == 0) or done == t.steps:
-                    ckpt.save(self.ckpt_root, done, self._snapshot(done, last_loss), c.checkpoint.keep)
+                    snap = self._snapshot(done, last_loss)
+                    ckpt.save(self.ckpt_root, done, snap, c.checkpoint.keep)
                     last_saved = done
+                    faults.maybe_kill_after_checkpoint(done, rt.rank)
+                faults.maybe_crash(done, rt.rank)
             if start >= t.steps:  # resumed from the final checkpoint: nothing left to do
                 state_bytes = self.par.model_state_bytes()
             val_loss = self._validate() if t.eval_every else None

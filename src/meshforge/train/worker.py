@@ -18,7 +18,9 @@ def _setup_logging(run_dir: Path, rank: int) -> Path:
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank-{rank}.log"
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)

@@ -1,0 +1,1 @@
+"""`meshforge cost`: placeholder while being written."""

@@ -1,0 +1,68 @@
+"""Collective cost: the ring formulas and the nccl-tests bus-bandwidth convention.
+
+Ring all-reduce of S bytes over n ranks at link bandwidth β (REFERENCES.md,
+nccl-tests doc/PERFORMANCE.md):  t ≈ 2(n-1)·α + 2·(n-1)/n·S/β.
+Reported figures: algbw = S/t, busbw = algbw × factor, with the factor below. The
+planner's links carry a *bus* bandwidth, so t = factor·S/busbw + steps·α.
+"""
+
+from __future__ import annotations
+
+from meshforge.errors import ConfigError
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """busbw / algbw: 2(n-1)/n for all-reduce; (n-1)/n for reduce-scatter, all-gather
+    and all-to-all (S = total size); 1 for broadcast and reduce."""
+    if n < 1:
+        raise ConfigError(f"collective size must be >= 1, got {n}")
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    raise ConfigError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+
+
+def algbw(size_bytes: float, time_s: float) -> float:
+    return size_bytes / time_s
+
+
+def busbw(collective: str, size_bytes: float, time_s: float, n: int) -> float:
+    """The nccl-tests bus bandwidth of one measured collective."""
+    return algbw(size_bytes, time_s) * busbw_factor(collective, n)
+
+
+def collective_time(
+    collective: str, size_bytes: float, n: int, busbw_bytes_per_s: float, latency_s: float = 0.0
+) -> float:
+    """Time of a ring collective of `size_bytes` (the full, unsharded size) over n ranks.
+
+    All-reduce has 2(n-1) ring steps, reduce-scatter/all-gather n-1, a pipelined
+    broadcast n-1 hops; each step pays the latency α."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if collective == "all_reduce" else n - 1
+    return busbw_factor(collective, n) * size_bytes / busbw_bytes_per_s + steps * latency_s
+
+
+def ring_allreduce_time(size_bytes: float, n: int, link_bytes_per_s: float, latency_s: float):
+    """t = 2(n-1)·α + 2·(n-1)/n·S/β."""
+    return collective_time("all_reduce", size_bytes, n, link_bytes_per_s, latency_s)
+
+
+def tp_elements_per_layer(micro_batch: int, seq: int, hidden: int, tp: int) -> float:
+    """Elements one rank moves per layer per micro-batch for tensor parallelism:
+    four all-reduces (two forward, two backward) of b·s·h, each 2(t-1)/t·b·s·h,
+    i.e. 8·b·s·h·(t-1)/t (REFERENCES.md). Sequence parallelism swaps each all-reduce
+    for an all-gather plus a reduce-scatter: the same volume."""
+    return 8.0 * micro_batch * seq * hidden * (tp - 1) / tp
+
+
+def pp_elements_per_boundary(micro_batch: int, seq: int, hidden: int) -> float:
+    """b·s·h per stage boundary per micro-batch, each way (activations forward,
+    their gradients backward)."""
+    return float(micro_batch * seq * hidden)

@@ -1,0 +1,209 @@
+"""Memory per GPU: model states, activations, buffers and a stated margin.
+
+Two conventions for model states (params, grads, optimizer states):
+
+* ``meshforge`` (default): what meshforge's own implementation holds *at rest,
+  between steps* (after the optimizer step, before gradients are zeroed). Master
+  parameters are always fp32; bf16/fp16 are autocast (DDP, ZeRO-1) or FSDP2
+  ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` (ZeRO-2/3), so
+  AdamW costs 4 + 4 + 8 bytes per parameter in every precision:
+
+  ====== ============================================== =====================
+  stage  implementation                                 params/grads/optimizer
+  ====== ============================================== =====================
+  0      DDP                                            4Ψ / 4Ψ / 8Ψ
+  1      DDP + ZeroRedundancyOptimizer                  4Ψ / 4Ψ / 8Ψ/N_d
+  2      FSDP2, reshard_after_forward=False             4Ψ/N_d each ... 8Ψ/N_d
+  3      FSDP2 per block, reshard_after_forward=True    4Ψ/N_d each ... 8Ψ/N_d
+  ====== ============================================== =====================
+
+  Stages 2 and 3 differ only while a step runs (see ``working_bytes``).
+
+* ``zero-paper``: exactly the ZeRO paper's accounting (Rajbhandari et al.,
+  1910.02054, §V): 2 + 2 + K bytes with K = 12 for mixed-precision Adam, 4 + 4 + 8
+  for fp32, so numbers compare with DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+from meshforge.errors import ConfigError
+from meshforge.plan.flops import GPTShape
+
+CONVENTIONS = ("meshforge", "zero-paper")
+FRAGMENTATION_MARGIN = 0.10  # caching-allocator fragmentation, as a share of allocated bytes
+
+
+def dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _optimizer_state_bytes(optimizer: str, mixed: bool, convention: str) -> int:
+    """K: optimizer bytes per parameter. AdamW keeps two fp32 moments, SGD one momentum;
+    the ZeRO paper also counts the fp32 master copy in K under mixed precision."""
+    moments = 2 if optimizer == "adamw" else 1
+    master = 4 if (mixed and convention == "zero-paper") else 0
+    return 4 * moments + master
+
+
+def model_state_bytes(
+    params: float,
+    zero: int,
+    dp: int,
+    precision: str = "fp32",
+    convention: str = "meshforge",
+    optimizer: str = "adamw",
+) -> dict[str, float]:
+    """Bytes of model states one rank holds, for `params` parameters on that rank
+    (Ψ/(tp·pp) under model parallelism), sharded over `dp` data-parallel ranks.
+
+    Returns {"params", "grads", "optimizer", "total"}. See the module docstring for
+    the two conventions; ZeRO table (1910.02054 §V): DP (2+2+K)Ψ; ZeRO-1 4Ψ + KΨ/N_d;
+    ZeRO-2 2Ψ + (2+K)Ψ/N_d; ZeRO-3 (2+2+K)Ψ/N_d."""
+    if convention not in CONVENTIONS:
+        raise ConfigError(f"--memory-convention must be one of {CONVENTIONS}, got {convention!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be one of 0, 1, 2, 3, got {zero}")
+    if dp < 1:
+        raise ConfigError(f"--dp must be >= 1, got {dp}")
+    if params <= 0:
+        raise ConfigError(f"--params must be > 0, got {params}")
+    mixed = precision != "fp32"
+    if convention == "zero-paper":
+        p_bytes = g_bytes = dtype_bytes(precision)
+        shard_params, shard_grads = zero >= 3, zero >= 2
+    else:
+        p_bytes = g_bytes = 4  # fp32 master params and fp32 grads in every precision
+        shard_params = shard_grads = zero >= 2  # FSDP2 holds params and grads sharded at rest
+    k = _optimizer_state_bytes(optimizer, mixed, convention)
+    p = p_bytes * params / (dp if shard_params else 1)
+    g = g_bytes * params / (dp if shard_grads else 1)
+    o = k * params / (dp if zero >= 1 else 1)
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+def comm_buffer_bytes(params: float, zero: int, convention: str = "meshforge") -> float:
+    """Resident communication buffers: DDP's gradient buckets, about one more fp32
+    copy of the gradients (stages 0 and 1). FSDP2 allocates per collective instead
+    (counted in working_bytes). The ZeRO paper counts no buffers."""
+    if convention == "zero-paper":
+        return 0.0
+    return 4.0 * params if zero <= 1 else 0.0
+
+
+def working_bytes(
+    params: float,
+    zero: int,
+    precision: str,
+    block_params: float = 0.0,
+    root_params: float = 0.0,
+) -> float:
+    """Transient copies of parameters and gradients that exist only while a step runs.
+
+    * stages 0/1 with bf16/fp16: autocast's low-precision copy of each weight, saved
+      for backward: 2Ψ.
+    * stage 2: the whole model's unsharded params in param_dtype (kept from forward to
+      backward), plus one block's unsharded grads and their fp32 reduce-scatter input.
+    * stage 3: two blocks unsharded (the current one and the prefetched next one),
+      the root module (embeddings, final norm) unsharded, and one block's grads.
+    `block_params`/`root_params` are per rank (after tensor/pipeline sharding); with
+    a bare parameter count they are unknown and count as 0."""
+    pb = dtype_bytes(precision)
+    grad_staging = block_params * (pb + (4 if pb != 4 else 0))
+    if zero <= 1:
+        return 2.0 * params if precision != "fp32" else 0.0
+    if zero == 2:
+        return pb * params + grad_staging
+    return pb * (2.0 * block_params + root_params) + grad_staging
+
+
+# -- activations (Korthikanti et al., 2205.05198, §4) --------------------------
+
+
+def activation_bytes_per_layer(
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    sdpa: bool = False,
+    mlp_ratio: int = 4,
+) -> float:
+    """Activation bytes one transformer layer keeps for backward, 16-bit activations.
+
+    no parallelism            s·b·h·(34 + 5·a·s/h)
+    tensor parallel           s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    tensor + sequence par.    s·b·h/t·(34 + 5·a·s/h)
+    TP + selective recompute  s·b·h·(10 + 24/t)
+    TP + SP + selective       34·s·b·h/t
+    full recompute            2·s·b·h (the layer input; /t with SP)
+
+    For MLP ratio r the 24 is 8 + 4r and the 34 is 18 + 4r (the MLP keeps its input,
+    GELU input and output, and a dropout mask). sdpa drops the 5·a·s/h term
+    (softmax, its dropout mask and output are never materialised)."""
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh / (t if sequence_parallel else 1)
+    sharded = 8 + 4 * mlp_ratio  # 24 at r = 4
+    scores = 0.0 if (sdpa or recompute == "selective") else 5.0 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (10 + sharded + scores)
+    return sbh * (10 + sharded / t + scores / t)
+
+
+def layers_in_flight(n_layers: int, pp: int, virtual_stages: int, schedule: str, m: int) -> float:
+    """Layer-micro-batches of activations the first pipeline stage holds at peak.
+
+    No pipeline: one micro-batch of all layers (accumulation runs them in turn).
+    1F1B: p micro-batches of L/p layers = L; interleaved: L·(1 + (p-1)/(p·v))
+    (Korthikanti §4.2.3). GPipe: all m micro-batches of L/p layers."""
+    if pp == 1:
+        return float(n_layers)
+    per_stage = n_layers / pp
+    if schedule == "gpipe":
+        return per_stage * m
+    in_flight = min(pp, m) * per_stage
+    if virtual_stages > 1:
+        in_flight *= 1.0 + (pp - 1) / (pp * virtual_stages)
+    return in_flight
+
+
+def logits_bytes(seq: int, micro_batch: int, vocab: int, tp: int, precision: str) -> float:
+    """Logits in the compute dtype plus the fp32 log-softmax the loss keeps: b·s·V/t each."""
+    return seq * micro_batch * vocab / tp * (dtype_bytes(precision) + 4)
+
+
+def activation_memory_bytes(
+    shape: GPTShape,
+    micro_batch: int,
+    tp: int,
+    pp: int,
+    virtual_stages: int,
+    sequence_parallel: bool,
+    recompute: str,
+    precision: str,
+    sdpa: bool,
+    microbatches: int,
+    schedule: str = "1f1b",
+) -> float:
+    """Peak activation bytes on the busiest pipeline stage.
+
+    Korthikanti's byte counts assume 16-bit activations; fp32 doubles them. With full
+    recomputation one layer's complete activations also live during its backward."""
+    scale = dtype_bytes(precision) / 2
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa, mlp_ratio=shape.mlp_ratio)
+    s, b, h, a = shape.seq_len, micro_batch, shape.d_model, shape.n_heads
+    per_layer = activation_bytes_per_layer(s, b, h, a, recompute=recompute, **kw)
+    live_layer = 0.0
+    if recompute == "full":
+        live_layer = activation_bytes_per_layer(s, b, h, a, recompute="none", **kw)
+    first = layers_in_flight(shape.n_layers, pp, virtual_stages, schedule, microbatches)
+    first_bytes = scale * first * per_layer
+    last_bytes = scale * (shape.n_layers / pp) * per_layer
+    logits = logits_bytes(s, b, shape.vocab_size, tp, precision)
+    busiest = max(first_bytes, last_bytes + logits) if pp > 1 else first_bytes + logits
+    return busiest + scale * live_layer

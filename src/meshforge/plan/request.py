@@ -1,0 +1,105 @@
+"""From command-line inputs to a model, a cluster and a plan (shared by `meshforge
+plan` and `meshforge cost`, so that both commands stay thin)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from meshforge.errors import ConfigError
+from meshforge.plan.flops import GPTShape
+from meshforge.plan.hardware import DEFAULT_INTRA_LINK, Cluster, gpu_spec, link_spec
+from meshforge.plan.layout import Training
+from meshforge.plan.predict import Model, Prediction
+from meshforge.plan.profile import MachineProfile
+from meshforge.plan.search import LayoutChoice, best_layout, search_layouts
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
+
+
+def build_model(
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    vocab: int | None = None,
+    seq: int | None = None,
+    mlp_ratio: int = 4,
+    params: float | None = None,
+) -> Model:
+    """A GPT shape from the five shape flags, or a bare parameter count."""
+    given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq}
+    if params is not None:
+        if any(v is not None for v in given.values()):
+            raise ConfigError("give either --params or the model shape (--layers ...), not both")
+        if not params > 0:
+            raise ConfigError(f"--params must be > 0, got {params}")
+        return float(params)
+    missing = [f"--{k}" for k, v in given.items() if v is None]
+    if missing:
+        raise ConfigError(f"model shape incomplete: missing {' '.join(missing)} (or use --params)")
+    for name, value in given.items():
+        if value < 1:  # type: ignore[operator]
+            raise ConfigError(f"--{name} must be >= 1, got {value}")
+    if mlp_ratio < 1:
+        raise ConfigError(f"--mlp-ratio must be >= 1, got {mlp_ratio}")
+    if hidden % heads:  # type: ignore[operator]
+        raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
+    return GPTShape(layers, hidden, heads, vocab, seq, mlp_ratio)  # type: ignore[arg-type]
+
+
+def build_cluster(
+    gpus: int,
+    gpu: str = "h100",
+    gpus_per_node: int = 8,
+    network: str = "ib-ndr",
+    intra_network: str | None = None,
+    nics_per_node: int | None = None,
+    profile: str | Path | None = None,
+) -> Cluster:
+    """A catalogue GPU cluster, or (with a profile file) one measured machine."""
+    if profile is not None:
+        return MachineProfile.from_json_file(profile).to_cluster(gpus)
+    device = gpu_spec(gpu)
+    intra = link_spec(intra_network or DEFAULT_INTRA_LINK[device.name], "--intra-network")
+    return Cluster(
+        device=device,
+        n_gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        intra=intra,
+        inter=link_spec(network),
+        nics_per_node=nics_per_node if nics_per_node is not None else gpus_per_node,
+    )
+
+
+def world_size_from(gpus: int | None, choice: LayoutChoice) -> int:
+    """--gpus, or dp x tp x pp when all three are given."""
+    if gpus is not None:
+        return gpus
+    if choice.dp is not None and choice.tp is not None and choice.pp is not None:
+        return choice.dp * choice.tp * choice.pp
+    raise ConfigError("--gpus is required unless --dp, --tp and --pp are all given")
+
+
+def plan(
+    model: Model,
+    training: Training,
+    cluster: Cluster,
+    choice: LayoutChoice,
+    convention: str = "meshforge",
+    top: int | None = None,
+) -> tuple[list[Prediction], bool]:
+    """(predictions, is_search). A fully or partly given layout gives one prediction
+    (left-out fields searched, the best kept); no layout fields, or `top`, gives the
+    best `top` (default 5) fitting candidates."""
+    if top is not None and top < 1:
+        raise ConfigError(f"--top must be >= 1, got {top}")
+    if choice.is_empty() or top is not None:
+        result = search_layouts(model, training, cluster, choice, convention)
+        return result.candidates[: top or 5], True
+    return [best_layout(model, training, cluster, choice, convention)], False
+
+
+def plan_json(predictions: list[Prediction], is_search: bool) -> dict[str, Any]:
+    if is_search:
+        return {"candidates": [p.to_dict() for p in predictions]}
+    return predictions[0].to_dict()

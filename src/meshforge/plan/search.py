@@ -1,0 +1,138 @@
+"""Layout search: every valid layout for N GPUs, evaluated, best first.
+
+A field the user fixes is not searched. The candidates are the layouts that fit in
+memory, fastest first (then least memory); with a bare parameter count there is
+no time model, so they are ordered by memory. With a bare parameter count tp and
+pp default to 1 (splitting Ψ by tp·pp says nothing without the shape).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from meshforge.errors import ConfigError
+from meshforge.plan.flops import GPTShape
+from meshforge.plan.hardware import Cluster
+from meshforge.plan.layout import RECOMPUTE, Layout, Training, check_layout, is_valid
+from meshforge.plan.predict import Model, Prediction, evaluate
+
+MAX_MICRO_BATCH = 64
+VIRTUAL_STAGE_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The user's fixed fields; None means 'search this one'."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, name) is None for name in self.__dataclass_fields__)
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Prediction]  # fitting layouts, best first
+    evaluated: list[Prediction] = field(default_factory=list)  # every valid layout tried
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _options(fixed: int | str | bool | None, choices: list) -> list:
+    return [fixed] if fixed is not None else choices
+
+
+def enumerate_layouts(
+    model: Model, training: Training, n_gpus: int, choice: LayoutChoice
+) -> Iterator[tuple[Layout, Training]]:
+    """Every (layout, training) pair consistent with the fixed fields; validity is
+    checked by the caller."""
+    shape = model if isinstance(model, GPTShape) else None
+    default_one = [1] if shape is None else None
+    for tp in _options(choice.tp, default_one or _divisors(n_gpus)):
+        if n_gpus % tp:
+            continue
+        for pp in _options(choice.pp, default_one or _divisors(n_gpus // tp)):
+            if n_gpus % (tp * pp):
+                continue
+            dp = n_gpus // (tp * pp)
+            if choice.dp is not None and choice.dp != dp:
+                continue
+            zeros = _options(choice.zero, [0, 1, 2, 3] if dp > 1 else [0])
+            if shape is None:
+                micro = [training.micro_batch if choice.micro_batch is None else choice.micro_batch]
+                virtual, recompute, seq_par = [1], [training.recompute], [False]
+            else:
+                per_rank = training.global_batch // dp if training.global_batch % dp == 0 else 0
+                powers = [b for b in (1, 2, 4, 8, 16, 32, MAX_MICRO_BATCH) if b <= per_rank]
+                micro = _options(choice.micro_batch, powers or [1])
+                virtual = _options(
+                    choice.virtual_stages, list(VIRTUAL_STAGE_CHOICES) if pp > 1 else [1]
+                )
+                recompute = _options(choice.recompute, list(RECOMPUTE))
+                seq_par = _options(choice.sequence_parallel, [False, True] if tp > 1 else [False])
+            for zero, b, v, rc, sp in itertools.product(zeros, micro, virtual, recompute, seq_par):
+                layout = Layout(dp, tp, pp, zero, v, sp)
+                yield layout, replace(training, micro_batch=b, recompute=rc)
+
+
+def _rank(prediction: Prediction) -> tuple[float, float]:
+    step = prediction.step_time_s
+    return (step if step is not None else 0.0, prediction.memory.total)
+
+
+def search_layouts(
+    model: Model,
+    training: Training,
+    cluster: Cluster,
+    choice: LayoutChoice = LayoutChoice(),
+    convention: str = "meshforge",
+) -> SearchResult:
+    """Evaluate every valid layout of `cluster.n_gpus` GPUs; raise ConfigError if
+    none is valid."""
+    shape = model if isinstance(model, GPTShape) else None
+    evaluated: list[Prediction] = []
+    first: tuple[Layout, Training] | None = None
+    for layout, train in enumerate_layouts(model, training, cluster.n_gpus, choice):
+        first = first or (layout, train)
+        if is_valid(layout, train, shape):
+            evaluated.append(evaluate(model, layout, train, cluster, convention))
+    if not evaluated:
+        if first is not None:
+            check_layout(*first, shape)  # the most permissive pair: names the broken rule
+        raise ConfigError(
+            f"no layout with dp x tp x pp = --gpus {cluster.n_gpus} matches the given "
+            f"fields (dp={choice.dp}, tp={choice.tp}, pp={choice.pp})"
+        )
+    candidates = sorted((p for p in evaluated if p.fits), key=_rank)
+    return SearchResult(candidates, evaluated)
+
+
+def best_layout(
+    model: Model,
+    training: Training,
+    cluster: Cluster,
+    choice: LayoutChoice = LayoutChoice(),
+    convention: str = "meshforge",
+) -> Prediction:
+    """The fastest layout that fits; if none fits, the one needing least memory
+    (its `fits` is False). Used for `parallel: auto` and for a partly given layout."""
+    result = search_layouts(model, training, cluster, choice, convention)
+    if result.best is not None:
+        return result.best
+    return min(result.evaluated, key=lambda p: p.memory.total)
