@@ -1,1 +1,15 @@
+"""The planner: pure maths (no torch import) for memory, step time and layouts.
 
+flops        parameter counts and FLOPs (PaLM/torchtitan and Megatron-LM conventions)
+efficiency   the achievable fraction of peak, one calibrated curve
+hardware     GPU catalogue, link presets, the cluster
+profile      a measured machine (the trainer's own host) as a cluster
+layout       a parallel layout, the training shape, and their validity rules
+memory       model states (meshforge / zero-paper conventions), activations, buffers
+comm         ring collective costs and nccl-tests bus bandwidth
+timing       the step-time model
+predict      one layout evaluated (`evaluate`), and the trainer's `predict_run`
+search       every valid layout, best first
+calibration  the published runs the curve is fitted to
+request      command-line inputs to model, cluster and plan (shared by plan and cost)
+"""

@@ -70,9 +70,13 @@ class Training:
         if self.micro_batch < 1:
             raise ConfigError(f"--micro-batch must be >= 1, got {self.micro_batch}")
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise ConfigError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
         if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+            raise ConfigError(
+                f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
 

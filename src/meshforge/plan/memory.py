@@ -60,7 +60,9 @@ def model_state_bytes(
     the two conventions; ZeRO table (1910.02054 §V): DP (2+2+K)Ψ; ZeRO-1 4Ψ + KΨ/N_d;
     ZeRO-2 2Ψ + (2+K)Ψ/N_d; ZeRO-3 (2+2+K)Ψ/N_d."""
     if convention not in CONVENTIONS:
-        raise ConfigError(f"--memory-convention must be one of {CONVENTIONS}, got {convention!r}")
+        raise ConfigError(
+            f"--memory-convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}"
+        )
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero must be one of 0, 1, 2, 3, got {zero}")
     if dp < 1:
@@ -81,13 +83,21 @@ def model_state_bytes(
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 
-def comm_buffer_bytes(params: float, zero: int, convention: str = "meshforge") -> float:
-    """Resident communication buffers: DDP's gradient buckets, about one more fp32
-    copy of the gradients (stages 0 and 1). FSDP2 allocates per collective instead
-    (counted in working_bytes). The ZeRO paper counts no buffers."""
-    if convention == "zero-paper":
+def comm_buffer_bytes(
+    params: float,
+    zero: int,
+    convention: str = "meshforge",
+    gradient_as_bucket_view: bool = True,
+) -> float:
+    """Resident communication buffers beyond the model states (stages 0 and 1).
+
+    meshforge builds DDP with gradient_as_bucket_view=True: the gradients *are* views
+    into DDP's buckets, so the buckets cost nothing beyond the 4Ψ of gradients.
+    Without it DDP keeps one more fp32 copy of the gradients (4Ψ). FSDP2 allocates
+    per collective instead (working_bytes). The ZeRO paper counts no buffers."""
+    if convention == "zero-paper" or zero >= 2 or gradient_as_bucket_view:
         return 0.0
-    return 4.0 * params if zero <= 1 else 0.0
+    return 4.0 * params
 
 
 def working_bytes(
@@ -96,24 +106,30 @@ def working_bytes(
     precision: str,
     block_params: float = 0.0,
     root_params: float = 0.0,
+    microbatches: int = 1,
 ) -> float:
     """Transient copies of parameters and gradients that exist only while a step runs.
 
     * stages 0/1 with bf16/fp16: autocast's low-precision copy of each weight, saved
       for backward: 2Ψ.
-    * stage 2: the whole model's unsharded params in param_dtype (kept from forward to
-      backward), plus one block's unsharded grads and their fp32 reduce-scatter input.
+    * stage 2: the whole model's unsharded params in param_dtype (kept from the first
+      forward to the last backward of the step), plus one block's unsharded grads and
+      their fp32 reduce-scatter input.
     * stage 3: two blocks unsharded (the current one and the prefetched next one),
       the root module (embeddings, final norm) unsharded, and one block's grads.
+    * stages 2/3 with gradient accumulation (m > 1): meshforge turns gradient sync
+      off until the last micro-batch, so FSDP2 accumulates the unsharded gradients
+      of the whole model, in fp32: 4Ψ more.
     `block_params`/`root_params` are per rank (after tensor/pipeline sharding); with
     a bare parameter count they are unknown and count as 0."""
     pb = dtype_bytes(precision)
-    grad_staging = block_params * (pb + (4 if pb != 4 else 0))
     if zero <= 1:
         return 2.0 * params if precision != "fp32" else 0.0
+    grad_staging = block_params * (pb + (4 if pb != 4 else 0))
+    accumulated = 4.0 * params if microbatches > 1 else 0.0
     if zero == 2:
-        return pb * params + grad_staging
-    return pb * (2.0 * block_params + root_params) + grad_staging
+        return pb * params + grad_staging + accumulated
+    return pb * (2.0 * block_params + root_params) + grad_staging + accumulated
 
 
 # -- activations (Korthikanti et al., 2205.05198, §4) --------------------------

@@ -38,7 +38,7 @@ class MemoryEstimate:
     params: float
     grads: float
     optimizer: float
-    comm_buffers: float  # resident: DDP gradient buckets
+    comm_buffers: float  # resident buffers beyond the model states (0 in meshforge today)
     working: float  # transient: unsharded params/grads, autocast weight copies
     activations: float | None  # None with a bare parameter count
     margin: float  # FRAGMENTATION_MARGIN of the allocated bytes
@@ -186,7 +186,8 @@ def evaluate(
         rank_params, zero, layout.dp, precision, convention, training.optimizer
     )
     buffers = comm_buffer_bytes(rank_params, zero, convention)
-    working = working_bytes(rank_params, zero, precision, block, root)
+    m = training.microbatches(layout.dp) if shape is not None else 1
+    working = working_bytes(rank_params, zero, precision, block, root, m)
     activations = None
     if shape is not None:
         activations = activation_memory_bytes(

@@ -96,6 +96,27 @@ def _rank(prediction: Prediction) -> tuple[float, float]:
     return (step if step is not None else 0.0, prediction.memory.total)
 
 
+def _check_fixed_degrees(choice: LayoutChoice, n_gpus: int) -> None:
+    fixed = 1
+    for name in ("tp", "pp", "dp"):
+        value = getattr(choice, name)
+        if value is None:
+            continue
+        if value < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {value}")
+        fixed *= value
+        if n_gpus % fixed:
+            given = " x ".join(
+                f"{n}={getattr(choice, n)}" for n in ("tp", "pp", "dp") if getattr(choice, n)
+            )
+            raise ConfigError(f"{given} does not divide --gpus {n_gpus}")
+    if None not in (choice.tp, choice.pp, choice.dp) and fixed != n_gpus:
+        raise ConfigError(
+            f"dp={choice.dp} x tp={choice.tp} x pp={choice.pp} = {fixed} does not equal "
+            f"--gpus {n_gpus}"
+        )
+
+
 def search_layouts(
     model: Model,
     training: Training,
@@ -106,6 +127,7 @@ def search_layouts(
     """Evaluate every valid layout of `cluster.n_gpus` GPUs; raise ConfigError if
     none is valid."""
     shape = model if isinstance(model, GPTShape) else None
+    _check_fixed_degrees(choice, cluster.n_gpus)
     evaluated: list[Prediction] = []
     first: tuple[Layout, Training] | None = None
     for layout, train in enumerate_layouts(model, training, cluster.n_gpus, choice):

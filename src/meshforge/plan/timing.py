@@ -11,16 +11,20 @@ and per step, with m = B/(b·N_d) micro-batches, p stages, v chunks per stage:
     step = m·t_mb + bubble + exposed DP/ZeRO traffic + optimizer step,
     bubble = (p-1)/v · t_mb          (so bubble/ideal = (p-1)/(m·v), REFERENCES.md)
 
-Data-parallel traffic follows meshforge's implementation (fp32 gradient reduction):
+Data-parallel traffic follows meshforge's implementation (parallel/data_parallel.py;
+fp32 gradient reduction; gradient sync switched off on all but the last micro-batch):
   ZeRO-0  DDP all-reduce of the grads once per step, hidden under the backward of
-          the last micro-batch (no_sync before it); the last bucket is exposed.
+          the last micro-batch; the last bucket is exposed.
   ZeRO-1  the same, plus ZeroRedundancyOptimizer's broadcast of the updated params
           after the step (exposed): 3Ψ in all, 1.5x DDP.
-  ZeRO-2  FSDP2 each micro-batch: all-gather params (param dtype) under the forward,
-          reduce-scatter grads under the backward.
-  ZeRO-3  as ZeRO-2 plus a second all-gather in the backward (3Ψ, REFERENCES.md).
-  FSDP's first all-gather and last reduce-scatter of a micro-batch (one block each)
-  cannot hide under compute.
+  ZeRO-2  FSDP2 with reshard_after_forward=False and no resharding between
+          micro-batches: one all-gather of the params (param dtype) per step, under
+          the first forward, and one reduce-scatter of the grads under the last
+          backward.
+  ZeRO-3  params all-gathered in every forward and again in every backward; one
+          reduce-scatter per step, under the last backward (3Ψ per step at m = 1).
+  FSDP's first all-gather and last reduce-scatter (one block each) cannot hide
+  under compute.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ class StepTime:
         return out
 
 
+def pipeline_bubble_ratio(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Bubble time / ideal time = (p-1)/(m·v) (GPipe and 1F1B: v = 1; REFERENCES.md)."""
+    return (pp - 1) / (microbatches * virtual_stages)
+
+
 def step_time(shape: GPTShape, layout: Layout, training: Training, cluster: Cluster) -> StepTime:
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     b, precision = training.micro_batch, training.precision
@@ -109,7 +118,7 @@ def step_time(shape: GPTShape, layout: Layout, training: Training, cluster: Clus
         pp_s = 2 * v * (size / bw + lat)
 
     t_mb = comp + tp_s + pp_s
-    bubble = (p - 1) / v * t_mb if p > 1 else 0.0
+    bubble = pipeline_bubble_ratio(p, m, v) * m * t_mb  # = (p-1)/v · t_mb
 
     rank = params_per_rank(shape, t, p)
     dp_total, dp_exposed = _data_parallel_seconds(
@@ -167,14 +176,16 @@ def _data_parallel_seconds(
     param_bytes = dtype_bytes(precision) * params
     gather = t("all_gather", param_bytes)
     scatter = t("reduce_scatter", grad_bytes)
-    edge = t("all_gather", dtype_bytes(precision) * block_params) + t(
-        "reduce_scatter", 4.0 * block_params
-    )
+    edge_gather = t("all_gather", dtype_bytes(precision) * block_params)
+    edge_scatter = t("reduce_scatter", 4.0 * block_params)
     if layout.zero == 2:
-        per_mb = gather + scatter
-        hidden_fwd, hidden_bwd = gather, scatter
-    else:
-        per_mb = 2 * gather + scatter
-        hidden_fwd, hidden_bwd = gather, gather + scatter
-    exposed = max(0.0, hidden_fwd - fwd_s) + max(0.0, hidden_bwd - bwd_s) + edge
-    return m * per_mb, m * min(exposed, per_mb)
+        total = gather + scatter
+        exposed = max(0.0, gather - fwd_s) + max(0.0, scatter - bwd_s)
+        exposed += edge_gather + edge_scatter
+        return total, min(exposed, total)
+    total = 2 * m * gather + scatter
+    exposed_early = max(0.0, gather - fwd_s) + max(0.0, gather - bwd_s) + 2 * edge_gather
+    exposed_last = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
+    exposed_last += 2 * edge_gather + edge_scatter
+    exposed = (m - 1) * exposed_early + exposed_last
+    return total, min(exposed, total)

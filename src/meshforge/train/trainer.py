@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ class Trainer:
         self.params = gpt_param_count(shape)
         self.flops_per_token = training_flops_per_token(shape)
         self.tokens_per_step = t.global_batch * cfg.model.seq_len
+        self.progress: TrainingProgress | None = None
 
     # -- helpers ------------------------------------------------------------------
     def _sync(self) -> None:
@@ -151,6 +153,9 @@ class Trainer:
         snap = self._snapshot(0, None)
         state = ckpt.load(Path(found[0]), snap)
         self.scheduler.load_state_dict(state["scheduler"])
+        # load_state_dict restores the schedule's position, not the optimizer's current lr.
+        for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         return int(state["step"])
@@ -159,6 +164,8 @@ class Trainer:
         log.warning(message)
         if self.progress is not None:
             self.progress.log(f"warning: {message}")
+        elif self.rt.is_main:
+            print(f"meshforge: warning: {message}", file=sys.stderr, flush=True)
 
     def _reference_compute_s(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """Forward+backward time of one micro-batch with no communication at all.
@@ -207,7 +214,6 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         c, rt = self.cfg, self.rt
         t = c.train
-        self.progress = None
         sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_main else None
         peak = detect_peak_flops(self.device, c.precision.dtype, torch.get_num_threads())
         resumed_from = self._resume()
