@@ -130,6 +130,17 @@ class JobConfig(_Section):
             _check_batch(t.global_batch, t.micro_batch, p.dp)
         return self
 
+    def check_trainable(self) -> None:
+        """Layouts this version cannot train yet fail before any worker starts."""
+        p = self.parallel
+        if p.tp > 1 or p.pp > 1:
+            raise ConfigError(
+                f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism are "
+                "not available yet; use tp=1, pp=1"
+            )
+        if p.mode != "collective":
+            raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
+
     # -- layout -------------------------------------------------------------
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""

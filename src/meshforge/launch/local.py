@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 
 @dataclass
@@ -44,6 +45,9 @@ def free_port() -> int:
 
 
 def _launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
     rdzv_configs: dict[str, Any] = {}
     if node.rdzv_endpoint or node.rdzv_backend == "c10d":
         backend, endpoint = node.rdzv_backend or "c10d", node.rdzv_endpoint or ""
@@ -95,6 +99,9 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
 
     Returns None on success, or a failure description (also written to
     RUN_DIR/health/diagnosis.json)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = _launch_config(nproc, node, run_dir / "logs" / "elastic")
     launch = elastic_launch(config, sys.executable)

@@ -7,13 +7,11 @@ from pathlib import Path
 
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import check_source
-from meshforge.launch.local import NodeSpec, run_workers
+from meshforge.launch.local import NodeSpec
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
-    from meshforge.train.trainer import check_supported
-
-    check_supported(cfg)
+    cfg.check_trainable()
     cfg.resolve_dp(world_size)
     check_source(cfg.data.source)
 
@@ -39,6 +37,8 @@ def launch_training(
         f"accum={cfg.grad_accum_steps(dp)} dtype={cfg.precision.dtype} -> {run_dir}",
         flush=True,
     )
+    from meshforge.launch.local import run_workers  # imports torch: only once input is valid
+
     diagnosis = run_workers(
         ["worker", str(resolved), "--run-dir", str(run_dir)], nproc, node, run_dir
     )

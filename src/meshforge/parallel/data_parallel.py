@@ -68,7 +68,11 @@ class DataParallelModel:
         opt: OptimizerSettings,
         dtype: str = "fp32",
         bucket_mb: float = 25.0,
+        shard_units: list[nn.Module] | None = None,
     ) -> None:
+        """shard_units: submodules sharded as their own FSDP units under ZeRO-2/3
+        (a GPT's blocks); the root module is always a unit. Defaults to `module.blocks`
+        when the module has one."""
         self.module = module
         self.zero = zero
         self.mesh = mesh
@@ -89,8 +93,10 @@ class DataParallelModel:
             kwargs = {"mesh": mesh, "reshard_after_forward": zero == 3}
             if mp is not None:
                 kwargs["mp_policy"] = mp
-            for block in module.blocks:
-                fully_shard(block, **kwargs)
+            if shard_units is None:
+                shard_units = list(getattr(module, "blocks", []))
+            for unit in shard_units:
+                fully_shard(unit, **kwargs)
             fully_shard(module, **kwargs)
             self.model = module
         groups = _param_groups(module, opt.weight_decay)

@@ -47,21 +47,9 @@ from meshforge.train.schedule import lr_factor
 log = logging.getLogger(__name__)
 
 
-def check_supported(cfg: JobConfig) -> None:
-    """Layouts this version cannot train yet fail before any worker starts."""
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1:
-        raise ConfigError(
-            f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism are not "
-            "available yet; use tp=1, pp=1"
-        )
-    if p.mode != "collective":
-        raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path, rt: Runtime) -> None:
-        check_supported(cfg)
+        cfg.check_trainable()
         self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
         self.device = rt.device
         self.dp = cfg.resolve_dp(rt.world_size)
@@ -154,7 +142,9 @@ class Trainer:
         state = ckpt.load(Path(found[0]), snap)
         self.scheduler.load_state_dict(state["scheduler"])
         # load_state_dict restores the schedule's position, not the optimizer's current lr.
-        for group, lr in zip(self.par.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+        for group, lr in zip(
+            self.par.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+        ):
             group["lr"] = lr
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,95 @@
+"""Bad configs and command lines: exit code 2, one line naming the problem, no traceback,
+and nothing already written is lost."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import TINY_JOB, merge, meshforge
+
+# (id, config overrides or raw YAML text, extra CLI args, words the error must contain)
+CASES = [
+    ("unknown-key", {"train": {"stepz": 5}}, [], ["unknown key", "train.stepz"]),
+    ("unknown-section", {"optimiser": {"lr": 1}}, [], ["unknown key", "optimiser"]),
+    ("wrong-type", {"train": {"steps": "many"}}, [], ["train.steps"]),
+    ("negative-steps", {"train": {"steps": -5}}, [], ["train.steps", "greater than"]),
+    ("zero-lr", {"train": {"lr": 0}}, [], ["train.lr"]),
+    ("tp-not-dividing-heads", {"parallel": {"tp": 3}}, [], ["parallel.tp=3", "n_heads=2"]),
+    ("heads-not-dividing-width", {"model": {"n_heads": 5}}, [], ["n_heads=5", "d_model=32"]),
+    ("bad-zero-stage", {"parallel": {"zero": 4}}, [], ["parallel.zero"]),
+    ("bad-dtype", {"precision": {"dtype": "fp8"}}, [], ["precision.dtype"]),
+    (
+        "indivisible-batch",
+        {"train": {"global_batch": 6, "micro_batch": 4}},
+        [],
+        ["global_batch=6", "micro_batch=4"],
+    ),
+    (
+        "batch-vs-world",
+        {"train": {"global_batch": 4, "micro_batch": 4}},
+        ["--nproc", "2"],
+        ["global_batch=4", "dp=2"],
+    ),
+    (
+        "dp-vs-world",
+        {"parallel": {"dp": 3}, "train": {"global_batch": 12}},
+        ["--nproc", "2"],
+        ["parallel.dp=3", "world size 2"],
+    ),
+    (
+        "missing-data-path",
+        {"data": {"source": "/nonexistent/shards"}},
+        [],
+        ["data.source", "/nonexistent/shards"],
+    ),
+    ("unknown-builtin", {"data": {"source": "builtin:wikipedia"}}, [], ["builtin:wikipedia"]),
+    ("pipeline-not-available", {"parallel": {"pp": 2}}, [], ["parallel.pp=2"]),
+    ("invalid-yaml", "model: {d_model: 32\ntrain: [", [], ["invalid YAML"]),
+    ("not-a-mapping", "- just\n- a list\n", [], ["mapping"]),
+    ("nproc-zero", {}, ["--nproc", "0"], ["--nproc", "greater than or equal to 1"]),
+    ("bad-set-path", {}, ["--set", "train.nope=3"], ["train.nope", "no key 'nope'"]),
+    ("bad-set-section", {}, ["--set", "train.steps.x=3"], ["train.steps", "not a section"]),
+    ("bad-set-syntax", {}, ["--set", "train.steps"], ["KEY=VALUE"]),
+    ("bad-set-value", {}, ["--set", "train.steps=-1"], ["train.steps"]),
+    ("unknown-option", {}, ["--nprocs", "2"], ["--nprocs"]),
+]
+
+
+def _assert_one_line_error(proc, words):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_job_input_exits_2_with_one_line(tmp_path, case):
+    _, config, args, words = case
+    path = tmp_path / "job.yaml"
+    if isinstance(config, str):
+        path.write_text(config)
+    else:
+        path.write_text(yaml.safe_dump(merge(TINY_JOB, config)))
+    run_dir = tmp_path / "run"
+    proc = meshforge(["train", str(path), "--run-dir", str(run_dir), *args], timeout=120)
+    _assert_one_line_error(proc, words)
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    proc = meshforge(["train", str(tmp_path / "absent.yaml")], timeout=60)
+    _assert_one_line_error(proc, ["config file not found", "absent.yaml"])
+
+
+def test_bad_input_does_not_touch_an_existing_run(job_factory):
+    job = job_factory({"train": {"steps": 2}})
+    job.train(1)
+    before = {p: p.read_bytes() for p in job.run_dir.rglob("*") if p.is_file()}
+    proc = meshforge(
+        ["train", str(job.config_path), "--run-dir", str(job.run_dir), "--set", "train.lr=-1"]
+    )
+    _assert_one_line_error(proc, ["train.lr"])
+    after = {p: p.read_bytes() for p in job.run_dir.rglob("*") if p.is_file()}
+    assert after == before
