@@ -1,6 +1,6 @@
 """Train your own model with meshforge's Python API: an MLP classifying 2-D spirals.
 
-    python examples/fabric_mlp.py --nproc 2 --strategy zero2 --steps 300
+    python examples/fabric_mlp.py --nproc 2 --strategy zero2 --steps 200
 
 The data set is generated here, deterministically from --seed (three interleaved
 spiral arms with noise), so the example needs no download. The training loop is
@@ -96,10 +96,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--strategy", default="zero2", choices=list(STRATEGIES))
     parser.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64, help="per process")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=128, help="per process")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     fabric = Fabric(strategy=args.strategy, precision=args.precision, seed=args.seed)

@@ -93,13 +93,19 @@ def build_report(
 
 
 def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
-    """What the planner predicts for this run on this machine (None if it cannot)."""
-    try:
-        from meshforge.plan.selfcheck import predict_for_job
-    except ImportError:
+    """What the planner predicts for this run, on the profile the trainer measured of
+    this machine at the start of `fit` (None if it has none)."""
+    measured = getattr(trainer, "machine_profile", None)
+    if measured is None:
         return None
     try:
-        return predict_for_job(trainer.cfg, trainer.rt.world_size, trainer.device.type)
+        from meshforge.observe.machine import predict_for_job
+
+        predicted = predict_for_job(
+            trainer.cfg, trainer.rt.world_size, measured.profile, measured.runtime_bytes
+        )
+        predicted["measurement"] = measured.details
+        return predicted
     except Exception as exc:  # a prediction must never fail a finished run
         log.warning("planner prediction failed: %s", exc)
         return {"error": str(exc)}

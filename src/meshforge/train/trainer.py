@@ -27,6 +27,7 @@ from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, shape_of
 from meshforge.observe.console import TrainingProgress
+from meshforge.observe.machine import measure_profile
 from meshforge.observe.memory import peak_memory_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
@@ -206,6 +207,7 @@ class Trainer:
         t = c.train
         sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_main else None
         peak = detect_peak_flops(self.device, c.precision.dtype, torch.get_num_threads())
+        self.machine_profile = measure_profile(self.device, c.precision.dtype, self.mesh, c)
         resumed_from = self._resume()
         start = resumed_from or 0
         dp_rank = self.mesh.get_local_rank()
@@ -260,7 +262,9 @@ class Trainer:
                     loss_sum += loss.detach()
                 if self.scaler is not None:
                     self.scaler.unscale_(self.par.optimizer)
-                grad_norm = self.par.grad_norm_and_clip(t.grad_clip)
+                grad_norm = None  # the norm costs a collective under FSDP: only when needed
+                if t.grad_clip > 0 or logging_step:
+                    grad_norm = self.par.grad_norm_and_clip(t.grad_clip)
                 if self.scaler is not None:
                     self.scaler.step(self.par.optimizer)
                     self.scaler.update()

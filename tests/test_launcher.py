@@ -1,0 +1,54 @@
+"""The launcher names the failing rank and its error, and keeps per-rank logs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_worker_failure_names_rank_and_error(job_factory):
+    job = job_factory({"train": {"steps": 10}})
+    proc = job.train(2, env={"MESHFORGE_FAULT": "crash:3:1"}, check=False)
+    assert proc.returncode == 1
+    assert "rank 1 failed" in proc.stderr
+    assert "injected crash at step 3 on rank 1" in proc.stderr
+    log = (job.run_dir / "logs" / "rank-1.log").read_text()
+    assert "injected crash at step 3 on rank 1" in log and "Traceback" in log
+    assert (job.run_dir / "logs" / "rank-0.log").exists()
+    diagnosis = json.loads((job.run_dir / "health" / "diagnosis.json").read_text())
+    assert diagnosis["first_failure"]["rank"] == 1
+    report = job.report
+    assert report["status"] == "failed"
+    assert report["failure"]["first_failure"]["rank"] == 1
+
+
+@pytest.mark.slow
+def test_run_directory_has_the_designed_layout(job_factory):
+    job = job_factory({"train": {"steps": 4, "eval_every": 2}, "checkpoint": {"every": 2}})
+    proc = job.train(2)
+    assert "meshforge sample" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "report.png"):
+        assert (job.run_dir / name).is_file(), name
+    assert (job.run_dir / "checkpoints" / "step-00000004" / "manifest.json").is_file()
+    assert {p.name for p in (job.run_dir / "logs").glob("rank-*.log")} == {
+        "rank-0.log",
+        "rank-1.log",
+    }
+    report = job.report
+    required = {
+        "status", "steps", "world_size", "layout", "model_params", "first_loss", "final_loss",
+        "tokens_per_s", "mfu", "step_time_s", "time_breakdown", "model_state_bytes",
+        "peak_memory_bytes", "predicted", "resumed_from", "final_param_digest",
+    }
+    assert required <= set(report)
+    assert report["status"] == "completed" and report["world_size"] == 2
+    assert len(report["peak_memory_bytes"]) == 2 and min(report["peak_memory_bytes"]) > 0
+    assert len(report["final_param_digest"]) == 64
+    fractions = report["time_breakdown"]
+    assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
+    assert report["mfu"] is not None and 0 < report["mfu"] < 1
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any("val_loss" in r for r in rows)
