@@ -1,7 +1,8 @@
 """A hand-written torch training loop: the baseline meshforge's overhead is measured against.
 
 Same GPT module, same token data and batch shapes, plain DDP or plain FSDP2
-(fully_shard per block). Run under torchrun; rank 0 prints one JSON line with the
+(fully_shard per block), no gradient clipping (the benchmark sets
+meshforge's grad_clip to 0 too). Run under torchrun; rank 0 prints one JSON line with the
 median tokens/s over logging intervals (the first interval, with start-up, is
 left out, as meshforge's report does)."""
 
@@ -65,7 +66,6 @@ def main() -> None:
         logits = wrapped(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) if args.strategy == "ddp" else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % args.log_every == 0:

@@ -28,13 +28,17 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from meshforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshforge.parallel.data_parallel import DataParallelModel
+    from meshforge.runtime.dist import Runtime
 
 T = TypeVar("T")
 
@@ -112,16 +116,17 @@ class Fabric:
     def __exit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         self._rt = self._mesh = self._par = self._scaler = None
+        self._unscaled = False
         if stack is not None:
             stack.close()  # destroys the process group, also when training raised
 
     def launch(self, fn: Callable[[Fabric], T], nproc: int = 1) -> T | None:
-        """Run fn(fabric) on every rank; returns rank 0's result (None on other nodes).
+        """Run fn(fabric) on every rank.
 
-        Under torchrun, srun or mpirun (one process per rank already) fn runs here;
-        otherwise nproc workers are started through the torch elastic agent, and fn
-        must be importable (defined at the top level of a module or a script guarded
-        by `if __name__ == "__main__":`)."""
+        Under torchrun, srun or mpirun (one process per rank already) fn runs here and
+        its result is returned. Otherwise nproc workers are started through the torch
+        elastic agent and rank 0's result is returned; fn must then be importable
+        (top level of a module, or of a script guarded by `if __name__ == "__main__":`)."""
         from meshforge.runtime.env import detect_env
 
         if detect_env().launcher != "single":
@@ -131,7 +136,7 @@ class Fabric:
         return _spawn(self._settings, fn, nproc)
 
     # -- placement ------------------------------------------------------------------
-    def _runtime(self):
+    def _runtime(self) -> Runtime:
         if self._rt is None:
             raise RuntimeError("Fabric is not running: use fabric.launch(fn) or `with fabric:`")
         return self._rt
@@ -223,7 +228,7 @@ class Fabric:
         return obj
 
     # -- the training step ------------------------------------------------------------
-    def _model(self):
+    def _model(self) -> DataParallelModel:
         if self._par is None:
             raise RuntimeError("call fabric.setup(model) first")
         return self._par
@@ -301,9 +306,14 @@ def _spawn(settings: _Settings, fn: Callable[[Fabric], T], nproc: int) -> T | No
         try:
             results = elastic_launch(config, _run)(settings, fn)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
+            # Every failed rank, earliest first: the first one is often the cause, the
+            # others (a peer's connection reset) its consequences.
+            failures = sorted(exc.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
             raise RuntimeError(
-                f"worker rank {rank} failed ({describe_exit(failure.exitcode)}): "
-                f"{_failure_message(failure)}"
+                "; ".join(
+                    f"worker rank {rank} failed ({describe_exit(f.exitcode)}): "
+                    f"{_failure_message(f)}"
+                    for rank, f in failures
+                )
             ) from None
     return results.get(0)

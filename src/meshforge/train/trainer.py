@@ -67,6 +67,9 @@ class Trainer:
             )
         module = GPT(cfg.model).to(self.device)
         apply_activation_checkpointing(module.blocks, t.activation_checkpointing)
+        if t.compile:  # per block, in place (parameter names unchanged), before sharding
+            for block in module.blocks:
+                block.compile()
         self.mesh = build_mesh(self.device, self.dp)
         fused = self.device.type == "cuda"
         opt = OptimizerSettings(t.lr, t.weight_decay, (t.beta1, t.beta2), fused=fused)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `meshforge scale` (and, later, `meshforge bench comm / io`)."""
