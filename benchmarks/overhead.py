@@ -29,8 +29,14 @@ def job(steps: int, zero: int) -> dict:
         "name": "overhead",
         "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
         "parallel": {"zero": zero},
-        "train": {"steps": steps, "global_batch": 16, "micro_batch": 8, "grad_clip": 0.0,
-                  "warmup": 5, "eval_every": 0},
+        "train": {
+            "steps": steps,
+            "global_batch": 16,
+            "micro_batch": 8,
+            "grad_clip": 0.0,
+            "warmup": 5,
+            "eval_every": 0,
+        },
         "checkpoint": {"every": 0},
         "observe": {"log_every": 10},
     }
@@ -41,19 +47,42 @@ def run_meshforge(tmp: Path, steps: int, zero: int, nproc: int, rep: int) -> flo
     cfg.write_text(yaml.safe_dump(job(steps, zero)))
     run_dir = tmp / f"run-{zero}-{rep}"
     subprocess.run(
-        [sys.executable, "-m", "meshforge", "train", str(cfg), "--nproc", str(nproc),
-         "--run-dir", str(run_dir)],
-        check=True, capture_output=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "meshforge",
+            "train",
+            str(cfg),
+            "--nproc",
+            str(nproc),
+            "--run-dir",
+            str(run_dir),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     return json.loads((run_dir / "report.json").read_text())["tokens_per_s"]
 
 
 def run_plain(strategy: str, steps: int, nproc: int) -> float:
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", str(HERE / "plain_loop.py"), "--strategy", strategy,
-         "--steps", str(steps)],
-        check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(HERE / "plain_loop.py"),
+            "--strategy",
+            strategy,
+            "--steps",
+            str(steps),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
@@ -77,8 +106,11 @@ def main() -> None:
                     plain = run_plain(strategy, args.steps, args.nproc)
                     mf = run_meshforge(tmp, args.steps, zero, args.nproc, rep)
                 results[strategy].append((mf, plain))
-                print(f"rep {rep} {strategy:4s}: meshforge {mf:9.0f} tok/s  plain {plain:9.0f} "
-                      f"tok/s  ratio {mf / plain:.3f}", flush=True)
+                print(
+                    f"rep {rep} {strategy:4s}: meshforge {mf:9.0f} tok/s  plain {plain:9.0f} "
+                    f"tok/s  ratio {mf / plain:.3f}",
+                    flush=True,
+                )
     print()
     print(f"{'layout':18s} {'meshforge tok/s':>16s} {'plain tok/s':>12s} {'ratio':>7s}")
     for strategy, zero in LAYOUTS.items():
@@ -88,8 +120,10 @@ def main() -> None:
         ratio = statistics.median(p[0] / p[1] for p in pairs)
         name = f"zero={zero} vs {'DDP' if strategy == 'ddp' else 'FSDP2'}"
         print(f"{name:18s} {mf:16.0f} {plain:12.0f} {ratio:7.3f}")
-    print(f"\n{args.nproc} workers, {args.steps} steps, {args.reps} alternating repetitions; "
-          "ratio = median of per-repetition meshforge/plain throughput; goal >= 0.97")
+    print(
+        f"\n{args.nproc} workers, {args.steps} steps, {args.reps} alternating repetitions; "
+        "ratio = median of per-repetition meshforge/plain throughput; goal >= 0.97"
+    )
 
 
 if __name__ == "__main__":

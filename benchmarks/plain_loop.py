@@ -43,8 +43,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                      seq_len=args.seq)
+    cfg = ModelConfig(
+        d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq
+    )
     model = GPT(cfg)
     if args.strategy == "ddp":
         wrapped = DistributedDataParallel(model)

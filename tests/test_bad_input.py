@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+
 from conftest import TINY_JOB, merge, meshforge
 
 # (id, config overrides or raw YAML text, extra CLI args, words the error must contain)

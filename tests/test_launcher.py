@@ -38,9 +38,22 @@ def test_run_directory_has_the_designed_layout(job_factory):
     }
     report = job.report
     required = {
-        "status", "steps", "world_size", "layout", "model_params", "first_loss", "final_loss",
-        "tokens_per_s", "mfu", "step_time_s", "time_breakdown", "model_state_bytes",
-        "peak_memory_bytes", "predicted", "resumed_from", "final_param_digest",
+        "status",
+        "steps",
+        "world_size",
+        "layout",
+        "model_params",
+        "first_loss",
+        "final_loss",
+        "tokens_per_s",
+        "mfu",
+        "step_time_s",
+        "time_breakdown",
+        "model_state_bytes",
+        "peak_memory_bytes",
+        "predicted",
+        "resumed_from",
+        "final_param_digest",
     }
     assert required <= set(report)
     assert report["status"] == "completed" and report["world_size"] == 2

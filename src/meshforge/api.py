@@ -298,11 +298,11 @@ def _spawn(settings: _Settings, fn: Callable[[Fabric], T], nproc: int) -> T | No
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from meshforge.launch.local import NodeSpec, _failure_message, _launch_config, describe_exit
+    from meshforge.launch.local import NodeSpec, failure_message, launch_config, describe_exit
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="meshforge-fabric-") as log_dir:
-        config = _launch_config(nproc, NodeSpec(), Path(log_dir))
+        config = launch_config(nproc, NodeSpec(), Path(log_dir))
         try:
             results = elastic_launch(config, _run)(settings, fn)
         except ChildFailedError as exc:
@@ -312,7 +312,7 @@ def _spawn(settings: _Settings, fn: Callable[[Fabric], T], nproc: int) -> T | No
             raise RuntimeError(
                 "; ".join(
                     f"worker rank {rank} failed ({describe_exit(f.exitcode)}): "
-                    f"{_failure_message(f)}"
+                    f"{failure_message(f)}"
                     for rank, f in failures
                 )
             ) from None

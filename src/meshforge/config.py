@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from meshforge.errors import ConfigError
 
@@ -104,19 +111,28 @@ class JobConfig(_Section):
     name: str = "job"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    parallel: ParallelConfig = ParallelConfig()
+    # "auto": the planner picks the layout at launch (plan/auto.py, resolve_parallel_auto)
+    parallel: ParallelConfig | Literal["auto"] = Field(ParallelConfig(), union_mode="left_to_right")
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _parallel_mapping_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or isinstance(value, dict | ParallelConfig):
+            return value
+        raise ValueError("parallel must be a mapping of settings or 'auto'")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:
         m, p, t = self.model, self.parallel, self.train
-        if m.n_heads % p.tp:
+        auto = p == "auto"  # resolved at launch, then checked like any layout
+        if not auto and m.n_heads % p.tp:
             raise ValueError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
-        if m.n_layers % (p.pp * p.virtual_stages):
+        if not auto and m.n_layers % (p.pp * p.virtual_stages):
             raise ValueError(
                 f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} "
                 f"does not divide model.n_layers={m.n_layers}"
@@ -126,13 +142,21 @@ class JobConfig(_Section):
                 f"train.global_batch={t.global_batch} is not divisible by "
                 f"train.micro_batch={t.micro_batch}"
             )
-        if p.dp != "auto":
+        if not auto and p.dp != "auto":
             _check_batch(t.global_batch, t.micro_batch, p.dp)
         return self
 
+    def _parallel(self) -> ParallelConfig:
+        if self.parallel == "auto":
+            raise ConfigError(
+                "parallel: auto is resolved at launch by `meshforge train`; "
+                "give a parallel mapping to run a worker directly"
+            )
+        return self.parallel
+
     def check_trainable(self) -> None:
         """Layouts this version cannot train yet fail before any worker starts."""
-        p = self.parallel
+        p = self._parallel()
         if p.tp > 1 or p.pp > 1:
             raise ConfigError(
                 f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism are "
@@ -144,7 +168,7 @@ class JobConfig(_Section):
     # -- layout -------------------------------------------------------------
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
-        p = self.parallel
+        p = self._parallel()
         model_ranks = p.tp * p.pp
         if world_size % model_ranks:
             raise ConfigError(
@@ -178,9 +202,15 @@ def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
 # -- loading -----------------------------------------------------------------
 
 
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member a value was tried against in the error path."""
+    return isinstance(part, str) and ("ParallelConfig" in part or part.startswith("literal["))
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    loc = ".".join(str(part) for part in err["loc"])
+    # a union's member name (parallel: mapping | "auto") is not part of the user's path
+    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         return f"unknown key '{loc}'"

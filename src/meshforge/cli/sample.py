@@ -45,10 +45,7 @@ def _checkpoint_dir(run_dir: Path, step: int | None) -> tuple[int, Path]:
 
 def load_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
     """(GPT on CPU with the checkpoint's weights, the step it was saved at)."""
-    import torch.distributed.checkpoint as dcp
-
     from meshforge.config import load_config
-    from meshforge.models.gpt import GPT
 
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory not found: {run_dir}")
@@ -57,6 +54,11 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
         raise ConfigError(f"{run_dir} has no config.yaml (is it a meshforge run directory?)")
     cfg = load_config(config)
     found_step, path = _checkpoint_dir(run_dir, step)
+
+    import torch.distributed.checkpoint as dcp  # after the checks: bad input answers fast
+
+    from meshforge.models.gpt import GPT
+
     model = GPT(cfg.model)
     state = {"model": model.state_dict()}
     try:
@@ -87,13 +89,14 @@ def sample(
     ] = None,
 ) -> None:
     """Generate text from the newest valid checkpoint of a run (any layout)."""
+    if not prompt:
+        raise ConfigError("--prompt must not be empty")
+    model, _ = load_model(run_dir, step)
+
     import torch
 
     from meshforge.data.tokenizer import VOCAB_SIZE, decode, encode
 
-    if not prompt:
-        raise ConfigError("--prompt must not be empty")
-    model, _ = load_model(run_dir, step)
     torch.manual_seed(seed)
     idx = torch.from_numpy(encode(prompt).astype("int64")).unsqueeze(0)
     if int(idx.max()) >= model.cfg.vocab_size:

@@ -15,9 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -44,7 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
+def launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -84,7 +82,7 @@ def describe_exit(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _failure_message(failure) -> str:
+def failure_message(failure) -> str:
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", json.dumps(msg))
@@ -92,6 +90,22 @@ def _failure_message(failure) -> str:
     if not msg or msg.startswith("To enable traceback"):
         return "no error recorded (see its log)"
     return msg.splitlines()[-1] if "Traceback" in msg else msg.splitlines()[0]
+
+
+def earliest_recorded_failure(health: Path) -> dict | None:
+    """The first failure the workers recorded themselves (health/failure-rank-K.json)."""
+    records = []
+    for path in health.glob("failure-rank-*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def clear_recorded_failures(health: Path) -> None:
+    for path in health.glob("failure-rank-*.json"):
+        path.unlink(missing_ok=True)
 
 
 def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Path) -> dict | None:
@@ -103,7 +117,8 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
     from torch.distributed.launcher.api import elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = _launch_config(nproc, node, run_dir / "logs" / "elastic")
+    clear_recorded_failures(run_dir / "health")
+    config = launch_config(nproc, node, run_dir / "logs" / "elastic")
     launch = elastic_launch(config, sys.executable)
     try:
         launch("-u", "-m", "meshforge", *worker_args)
@@ -117,16 +132,28 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
                 "pid": f.pid,
                 "exitcode": f.exitcode,
                 "exit": describe_exit(f.exitcode),
-                "error": _failure_message(f),
+                "error": failure_message(f),
                 "log": str(run_dir / "logs" / f"rank-{r}.log"),
             }
             for r, f in sorted(exc.failures.items())
         ]
-        diagnosis = {
-            "time": time.time(),
-            "first_failure": next(f for f in failures if f["rank"] == rank),
-            "failures": failures,
-        }
+        first_failure = next(f for f in failures if f["rank"] == rank)
+        recorded = earliest_recorded_failure(run_dir / "health")
+        if recorded is not None:
+            # The agent sees whichever process exited first; a rank that raised may
+            # still be tearing down while its peers die of the broken connection.
+            match = [f for f in failures if f["rank"] == recorded["rank"]]
+            first_failure = (
+                match[0]
+                if match
+                else {
+                    "rank": recorded["rank"],
+                    "exit": "stopped by the agent after failing",
+                    "log": str(run_dir / "logs" / f"rank-{recorded['rank']}.log"),
+                }
+            )
+            first_failure["error"] = recorded["error"]
+        diagnosis = {"time": time.time(), "first_failure": first_failure, "failures": failures}
         health = run_dir / "health"
         health.mkdir(parents=True, exist_ok=True)
         (health / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))

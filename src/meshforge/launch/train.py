@@ -8,6 +8,7 @@ from pathlib import Path
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import check_source
 from meshforge.launch.local import NodeSpec
+from meshforge.plan.auto import resolve_parallel_auto
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
@@ -25,6 +26,9 @@ def launch_training(
 ) -> int:
     cfg = load_config(config_path, overrides)
     world = nproc * node.nnodes
+    cfg, auto_line = resolve_parallel_auto(cfg, world, nproc, node.nnodes)
+    if auto_line:
+        print(auto_line, flush=True)
     validate_job(cfg, world)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ cores would mislead every later run).
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 
 from meshforge.config import JobConfig
 from meshforge.observe.peak import _cuda_matmul_dtype, gpu_peak_flops, measure_cpu_matmul_flops
+from meshforge.plan.auto import profile_cache_key, save_cached_profile
 from meshforge.plan.efficiency import matmul_unit_flops
 from meshforge.plan.flops import GPTShape, microbatch_flops, params_per_rank
 from meshforge.plan.layout import Layout
@@ -398,7 +400,20 @@ def measure_profile(
         matmul_overhead_s=float(t0),
         per_device_memory=per_device,
     )
+    if cfg is not None and (world == 1 or dist.get_rank() == 0):
+        _remember(profile, device, backend, world, threads, details)
     return MeasuredProfile(profile, details, runtime)
+
+
+def _remember(profile: MachineProfile, device, backend: str, world: int, threads: int, details):
+    """Cache the profile for `parallel: auto` at launch (plan/auto.py reads it)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    nnodes = max(1, world // max(1, local_world))
+    key = profile_cache_key(device.type, backend, world, threads, nnodes)
+    try:
+        save_cached_profile(key, profile, {"matmul_at_size": details.get("matmul_at_size")})
+    except OSError as exc:  # no writable cache: the run does not need it
+        log.warning("could not cache the machine profile: %s", exc)
 
 
 # -- the prediction ------------------------------------------------------------------------
@@ -444,9 +459,7 @@ def predict_for_job(
     activations = mean(lambda x: x.memory.activations or 0.0)
     planner_total = mean(lambda x: x.memory.total)
     step_s = mean(lambda x: x.step_time_s)
-    breakdown = {
-        key: mean(lambda x, k=key: x.time.to_dict()[k]) for key in first.time.to_dict()
-    }
+    breakdown = {key: mean(lambda x, k=key: x.time.to_dict()[k]) for key in first.time.to_dict()}
     return {
         "model_state_bytes": states,
         "activations_bytes": activations,

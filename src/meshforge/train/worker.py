@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -44,13 +46,33 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
         r = cfg.runtime
         with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
             log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
-            report = Trainer(cfg, run_dir, rt).fit()
+            try:
+                report = Trainer(cfg, run_dir, rt).fit()
+            except BaseException as exc:
+                record_failure(run_dir, env.rank, exc)
+                raise
         log.info("finished")
         if env.rank == 0 and report:
             _announce(run_dir, report)
-    except BaseException:
+    except BaseException as exc:
+        # Recorded before the process group is torn down: the peers' errors (connection
+        # reset, timeout) follow this one, so the earliest record is the root cause.
+        record_failure(run_dir, env.rank, exc)
         log.exception("worker failed")
         raise
+
+
+def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
+    health = run_dir / "health"
+    path = health / f"failure-rank-{rank}.json"
+    if path.exists():
+        return
+    try:
+        health.mkdir(parents=True, exist_ok=True)
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": message}))
+    except OSError:
+        pass
 
 
 def _announce(run_dir: Path, report: dict) -> None:

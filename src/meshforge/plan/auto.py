@@ -1,0 +1,246 @@
+"""`parallel: auto`: the planner chooses a job's layout at launch (pure: no torch).
+
+`meshforge train` calls `resolve_parallel_auto` right after loading the config. It
+asks the planner (`search.best_layout`) for the fastest layout of this machine's
+world size among those the trainer supports today: tp = 1, pp = 1, ZeRO stage 0-3,
+and a micro-batch that divides the per-rank batch (every divisor is tried, not only
+powers of two). The activation checkpointing mode stays as configured (the trainer's
+`selective`, every other block recomputed, is searched as `none`, which needs more
+memory, so a layout that fits with it fits with `selective`).
+
+Which machine the planner assumes:
+
+* a *measured* profile, if a run on this machine with the same device, backend,
+  world size and threads per worker measured one (every `meshforge train` run
+  measures its machine, `observe.machine`, and caches the result in
+  `$MESHFORGE_CACHE/machine_profiles.json`, default `~/.cache/meshforge/`);
+* otherwise an *assumed* profile: on a CPU, the figures of ASSUMED_CPU_PROFILE (said
+  so in the printed line); on a GPU, an H100 node from the catalogue.
+
+The chosen layout is written into the resolved config (RUN_DIR/config.yaml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshforge.config import JobConfig, ParallelConfig, build_config
+from meshforge.errors import ConfigError
+from meshforge.plan.flops import GPTShape
+from meshforge.plan.hardware import Cluster
+from meshforge.plan.layout import Training
+from meshforge.plan.predict import Prediction
+from meshforge.plan.profile import MachineProfile
+from meshforge.plan.search import LayoutChoice, best_layout
+
+# Assumed when this machine has no measured profile yet: the order of magnitude of one
+# core of a current x86 server with gloo over loopback (matmul rate of a mid-sized fp32
+# matmul on one thread; all-reduce bus bandwidth and per-step latency; the effective
+# bandwidth of a CPU AdamW step). A run measures the real figures and caches them.
+ASSUMED_CPU_PROFILE = MachineProfile(
+    name="cpu (assumed)",
+    matmul_flops_per_s=3e10,
+    allreduce_busbw_bytes_per_s=1e9,
+    allreduce_latency_s=3e-4,
+    memory_bytes=8e9,
+    memory_bandwidth_bytes_per_s=3e9,
+    matmul_overhead_s=0.0,
+)
+PROFILE_CACHE_FILE = "machine_profiles.json"
+
+
+# -- the measured-profile cache (written by observe.machine, read here) -------------------
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHFORGE_CACHE") or Path.home() / ".cache" / "meshforge")
+
+
+def cpu_model_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def profile_cache_key(
+    device_type: str, backend: str, world_size: int, threads: int, nnodes: int = 1
+) -> str:
+    return (
+        f"{cpu_model_name()}|{device_type}|{backend}|world={world_size}|nnodes={nnodes}"
+        f"|threads={threads}"
+    )
+
+
+def load_cached_profile(key: str) -> tuple[MachineProfile, dict[str, Any]] | None:
+    """(profile, cache entry) measured earlier on this machine for `key`, or None."""
+    try:
+        data = json.loads((cache_dir() / PROFILE_CACHE_FILE).read_text())
+        entry = data[key]
+        return MachineProfile.from_dict(entry["profile"]), entry
+    except Exception:  # missing, unreadable or from another version: plan without it
+        return None
+
+
+def save_cached_profile(key: str, profile: MachineProfile, extra: dict[str, Any]) -> None:
+    """Record a measured profile (atomically: readers see the old file or the new one)."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / PROFILE_CACHE_FILE
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"profile": profile.to_dict(), "measured_unix_s": time.time(), **extra}
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=PROFILE_CACHE_FILE + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# -- which machine to plan for --------------------------------------------------------------
+
+
+def launch_device(cfg: JobConfig) -> tuple[str, str]:
+    """(device type, backend) a launch will use, without importing torch."""
+    r = cfg.runtime
+    cuda = r.device == "cuda" or (r.device == "auto" and Path("/dev/nvidiactl").exists())
+    device = "cuda" if cuda else "cpu"
+    backend = r.backend if r.backend != "auto" else ("nccl" if cuda else "gloo")
+    return device, backend
+
+
+def threads_per_worker(cfg: JobConfig, nproc: int) -> int:
+    """What runtime.dist gives each worker: the config's, OMP_NUM_THREADS, or a share."""
+    if cfg.runtime.threads_per_worker:
+        return cfg.runtime.threads_per_worker
+    with contextlib.suppress(ValueError):
+        if "OMP_NUM_THREADS" in os.environ:
+            return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+@dataclass(frozen=True)
+class PlanningMachine:
+    cluster: Cluster
+    source: str  # how the profile was obtained, for the printed line
+
+
+def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1):
+    """The machine `parallel: auto` plans for: measured (cached) or assumed."""
+    device, backend = launch_device(cfg)
+    threads = threads_per_worker(cfg, nproc)
+    cached = load_cached_profile(profile_cache_key(device, backend, world_size, threads, nnodes))
+    if cached is not None:
+        profile, entry = cached
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("measured_unix_s", 0)))
+        return PlanningMachine(profile.to_cluster(world_size), f"profile measured {when}")
+    if device == "cuda":
+        from meshforge.plan.request import build_cluster
+
+        cluster = build_cluster(world_size, "h100", gpus_per_node=max(1, nproc))
+        return PlanningMachine(cluster, "assumed h100 (no measured profile yet)")
+    return PlanningMachine(
+        ASSUMED_CPU_PROFILE.to_cluster(world_size), "assumed cpu profile (none measured yet)"
+    )
+
+
+# -- the choice --------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def shape_of(cfg: JobConfig) -> GPTShape:
+    m = cfg.model
+    return GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio)
+
+
+def choose_layout(cfg: JobConfig, world_size: int, cluster: Cluster) -> Prediction:
+    """The fastest layout the trainer supports for `world_size` ranks (if none fits,
+    the one needing least memory, with `fits` False)."""
+    t = cfg.train
+    if t.global_batch % world_size:
+        raise ConfigError(
+            f"parallel: auto: train.global_batch={t.global_batch} is not divisible by the "
+            f"world size {world_size}"
+        )
+    recompute = "full" if t.activation_checkpointing == "full" else "none"
+    training = Training(
+        global_batch=t.global_batch,
+        micro_batch=1,
+        precision=cfg.precision.dtype,
+        recompute=recompute,
+        optimizer="adamw",
+        sdpa=True,
+    )
+    best: Prediction | None = None
+    for b in _divisors(t.global_batch // world_size):
+        choice = LayoutChoice(dp=world_size, tp=1, pp=1, micro_batch=b, virtual_stages=1,
+                              recompute=recompute, sequence_parallel=False)  # fmt: skip
+        candidate = best_layout(shape_of(cfg), training, cluster, choice)
+        if best is None or _better(candidate, best):
+            best = candidate
+    assert best is not None  # 1 always divides
+    return best
+
+
+def _better(a: Prediction, b: Prediction) -> bool:
+    if a.fits != b.fits:
+        return a.fits
+    if not a.fits:
+        return a.memory.total < b.memory.total
+    return (a.step_time_s or 0.0, a.memory.total) < (b.step_time_s or 0.0, b.memory.total)
+
+
+def apply_choice(cfg: JobConfig, prediction: Prediction) -> JobConfig:
+    """`cfg` with the chosen layout written in (a fresh, validated config)."""
+    raw = cfg.model_dump(mode="json")
+    layout = prediction.layout
+    raw["parallel"] = ParallelConfig(dp=layout.dp, zero=layout.zero, tp=1, pp=1).model_dump(
+        mode="json"
+    )
+    raw["train"]["micro_batch"] = prediction.training.micro_batch
+    return build_config(raw)
+
+
+def resolve_parallel_auto(
+    cfg: JobConfig, world_size: int, nproc: int | None = None, nnodes: int = 1,
+    cluster: Cluster | None = None,
+) -> tuple[JobConfig, str | None]:  # fmt: skip
+    """(config with the layout chosen, the one line saying so); unchanged and None when
+    the config does not say `parallel: auto`."""
+    if cfg.parallel != "auto":
+        return cfg, None
+    source = "given cluster"
+    if cluster is None:
+        machine = launch_machine(cfg, world_size, nproc or world_size, nnodes)
+        cluster, source = machine.cluster, machine.source
+    prediction = choose_layout(cfg, world_size, cluster)
+    resolved = apply_choice(cfg, prediction)
+    layout = prediction.layout
+    fits = "" if prediction.fits else ", does NOT fit in memory"
+    line = (
+        f"meshforge: parallel: auto -> dp={layout.dp} zero={layout.zero} tp=1 pp=1 "
+        f"micro_batch={prediction.training.micro_batch} "
+        f"(predicted {1e3 * (prediction.step_time_s or 0):.1f} ms/step{fits}; {source})"
+    )
+    return resolved, line
