@@ -266,20 +266,25 @@ def build_config(raw: dict[str, Any]) -> JobConfig:
         raise ConfigError(_format_validation_error(exc)) from None
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
+def read_yaml_file(path: str | Path, kind: str = "config file") -> Any:
+    """Parse a YAML file; every failure is a one-line ConfigError naming the file."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{kind} not found: {path}")
     if path.is_dir():
-        raise ConfigError(f"config path is a directory, not a file: {path}")
+        raise ConfigError(f"{kind} path is a directory, not a file: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"invalid YAML in {path}{where}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file is not UTF-8 text: {path}") from None
+        raise ConfigError(f"{kind} is not UTF-8 text: {path}") from None
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    raw = read_yaml_file(path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from meshforge.config import read_yaml_file
 from meshforge.errors import ConfigError
 from meshforge.plan.hardware import GPU_ALIASES, GPU_CATALOGUE, LINK_PRESETS
 
@@ -147,15 +147,5 @@ def parse_cluster(raw: Any, where: str = "cluster file") -> ClusterFile:
 
 
 def load_cluster(path: str | Path) -> ClusterFile:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"cluster file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"invalid YAML in {path}{where}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"cluster file is not UTF-8 text: {path}") from None
+    raw = read_yaml_file(path, kind="cluster file")
     return parse_cluster(raw, str(path))
