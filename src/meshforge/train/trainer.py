@@ -247,33 +247,7 @@ class Trainer:
                         x0.to(self.device), y0.to(self.device)
                     )
                     t0 = time.perf_counter() - data_s
-                micro_s: list[float] = []
-                loss_sum = torch.zeros((), device=self.device)
-                for i, (x, y) in enumerate(batch.micro_batches):
-                    x = x.to(self.device, non_blocking=True)
-                    y = y.to(self.device, non_blocking=True)
-                    tm = time.perf_counter()
-                    with self.par.gradient_sync(i == self.accum - 1):
-                        loss = self._loss(self.par.model, x, y)
-                        scaled = loss / self.accum
-                        if self.scaler is not None:
-                            scaled = self.scaler.scale(scaled)
-                        scaled.backward()
-                    if logging_step:
-                        self._sync()
-                        micro_s.append(time.perf_counter() - tm)
-                    loss_sum += loss.detach()
-                if self.scaler is not None:
-                    self.scaler.unscale_(self.par.optimizer)
-                grad_norm = None  # the norm costs a collective under FSDP: only when needed
-                if t.grad_clip > 0 or logging_step:
-                    grad_norm = self.par.grad_norm_and_clip(t.grad_clip)
-                if self.scaler is not None:
-                    self.scaler.step(self.par.optimizer)
-                    self.scaler.update()
-                else:
-                    self.par.optimizer.step()
-                self.scheduler.step()
+                loss_sum, grad_norm, micro_s = self._train_step(batch.micro_batches, logging_step)
                 if step + 1 == t.steps:
                     state_bytes = self.par.model_state_bytes()
                 self.par.optimizer.zero_grad(set_to_none=True)
@@ -322,7 +296,9 @@ class Trainer:
                 faults.maybe_crash(done, rt.rank)
             if start >= t.steps:  # resumed from the final checkpoint: nothing left to do
                 state_bytes = self.par.model_state_bytes()
-            val_loss = self._validate() if t.eval_every else None
+            val_loss = rows[-1].get("val_loss") if rows and rows[-1]["step"] == t.steps else None
+            if val_loss is None and t.eval_every:
+                val_loss = self._validate()
         self.progress = None
         digest = self.par.param_digest()
         per_rank = {"state": state_bytes, "peak": peak_memory_bytes(self.device)}
@@ -344,6 +320,42 @@ class Trainer:
             )
             write_report(self.run_dir, report)
         return report or {}
+
+    def _train_step(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], measure: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """One optimizer step. Returns the summed micro-batch losses, the gradient norm
+        (computed when clipping or measuring) and, when measuring, each micro-batch's
+        forward+backward seconds."""
+        t = self.cfg.train
+        micro_s: list[float] = []
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            tm = time.perf_counter()
+            with self.par.gradient_sync(i == self.accum - 1):
+                loss = self._loss(self.par.model, x, y)
+                scaled = loss / self.accum
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            if measure:
+                self._sync()
+                micro_s.append(time.perf_counter() - tm)
+            loss_sum += loss.detach()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.par.optimizer)
+        grad_norm = None  # the norm costs a collective under FSDP: only when needed
+        if t.grad_clip > 0 or measure:
+            grad_norm = self.par.grad_norm_and_clip(t.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.par.optimizer)
+            self.scaler.update()
+        else:
+            self.par.optimizer.step()
+        self.scheduler.step()
+        return loss_sum, grad_norm, micro_s
 
     def _exposed_comm_s(self, micro_s: list[float], ref_s: float | None) -> float | None:
         """Exposed gradient-reduction time of a step: the synchronising micro-batch's time
