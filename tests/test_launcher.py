@@ -65,3 +65,21 @@ def test_run_directory_has_the_designed_layout(job_factory):
     rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert any("val_loss" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_training_on_prepared_token_shards(job_factory, tmp_path):
+    from conftest import meshforge
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox. " * 400)
+    shards = tmp_path / "shards"
+    prep = meshforge(["data", "prepare", str(texts), str(shards), "--shard-tokens", "8K"])
+    assert prep.returncode == 0, prep.stderr
+    assert len(list(shards.glob("shard-*.bin"))) >= 2
+    job = job_factory({"data": {"source": str(shards)}, "train": {"steps": 12}})
+    job.train(2)
+    losses = job.losses()
+    assert losses[12] < losses[1]  # a repetitive text is quickly learnt
