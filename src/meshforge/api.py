@@ -298,7 +298,7 @@ def _spawn(settings: _Settings, fn: Callable[[Fabric], T], nproc: int) -> T | No
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from meshforge.launch.local import NodeSpec, failure_message, launch_config, describe_exit
+    from meshforge.launch.local import NodeSpec, describe_exit, failure_message, launch_config
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="meshforge-fabric-") as log_dir:
@@ -311,8 +311,7 @@ def _spawn(settings: _Settings, fn: Callable[[Fabric], T], nproc: int) -> T | No
             failures = sorted(exc.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
             raise RuntimeError(
                 "; ".join(
-                    f"worker rank {rank} failed ({describe_exit(f.exitcode)}): "
-                    f"{failure_message(f)}"
+                    f"worker rank {rank} failed ({describe_exit(f.exitcode)}): {failure_message(f)}"
                     for rank, f in failures
                 )
             ) from None

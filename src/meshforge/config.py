@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -223,6 +223,14 @@ def _format_validation_error(exc: ValidationError) -> str:
     return f"{loc}: {msg}{shown}"
 
 
+def _section_type(annotation: Any) -> Any:
+    """The model class of a section, also when it may be a string instead (parallel: auto)."""
+    for member in get_args(annotation) or (annotation,):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return annotation
+
+
 def _parse_scalar(text: str) -> Any:
     """Coerce an override value the way YAML would ('3' -> 3, 'true' -> True, 'null' -> None)."""
     try:
@@ -246,7 +254,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
             raise ConfigError(f"--set {path}: no key '{part}' in {where}")
-        annotation = fields[part].annotation
+        annotation = _section_type(fields[part].annotation)
         is_last = i == len(parts) - 1
         if is_last:
             node[part] = _parse_scalar(value_text)

@@ -252,6 +252,7 @@ def plot_scaling(result: ScaleResult, path: Path) -> None:
     ref = result.reference_world_size or 1
     ax1.plot(sizes, [n / ref for n in sizes], "--", color="#8c8c8c", label="ideal (linear)")
     ax1.plot(sizes, [r.speedup for r in rows], "o-", color="#4c72b0", label="measured")
+    ax1.set_xticks(sizes)
     ax1.set_xlabel("workers")
     ax1.set_ylabel("speedup (time per sample)")
     ax1.set_title(f"speedup, {result.mode} scaling")

@@ -92,15 +92,47 @@ def failure_message(failure) -> str:
     return msg.splitlines()[-1] if "Traceback" in msg else msg.splitlines()[0]
 
 
-def earliest_recorded_failure(health: Path) -> dict | None:
-    """The first failure the workers recorded themselves (health/failure-rank-K.json)."""
+# Errors a rank raises because a peer died: consequences, not causes.
+_PEER_FAILURE_MARKERS = (
+    "closed by peer",
+    "reset by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "connectfullmesh",
+)
+
+
+def is_peer_failure(error: str) -> bool:
+    text = error.lower()
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+def root_cause(recorded: list[dict], failures: list[dict]) -> dict | None:
+    """Pick the failure that caused the others.
+
+    In order: the earliest error a rank recorded itself that is not a peer's broken
+    connection; else a rank killed by a signal the agent did not send (SIGKILL by the
+    OOM killer, SIGSEGV, ...); else the earliest recorded error; else None."""
+    causes = [r for r in recorded if not is_peer_failure(r["error"])]
+    if causes:
+        return min(causes, key=lambda r: r["time"])
+    killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
+    if killed:
+        return None  # the agent's own record of the signal is the cause
+    return min(recorded, key=lambda r: r["time"]) if recorded else None
+
+
+def recorded_failures(health: Path) -> list[dict]:
+    """The failures the workers recorded themselves (health/failure-rank-K.json)."""
     records = []
     for path in health.glob("failure-rank-*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
-    return min(records, key=lambda r: r["time"]) if records else None
+    return records
 
 
 def clear_recorded_failures(health: Path) -> None:
@@ -138,21 +170,24 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
             for r, f in sorted(exc.failures.items())
         ]
         first_failure = next(f for f in failures if f["rank"] == rank)
-        recorded = earliest_recorded_failure(run_dir / "health")
-        if recorded is not None:
+        killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
+        if killed:
+            first_failure = killed[0]
+        cause = root_cause(recorded_failures(run_dir / "health"), failures)
+        if cause is not None:
             # The agent sees whichever process exited first; a rank that raised may
             # still be tearing down while its peers die of the broken connection.
-            match = [f for f in failures if f["rank"] == recorded["rank"]]
+            match = [f for f in failures if f["rank"] == cause["rank"]]
             first_failure = (
                 match[0]
                 if match
                 else {
-                    "rank": recorded["rank"],
+                    "rank": cause["rank"],
                     "exit": "stopped by the agent after failing",
-                    "log": str(run_dir / "logs" / f"rank-{recorded['rank']}.log"),
+                    "log": str(run_dir / "logs" / f"rank-{cause['rank']}.log"),
                 }
             )
-            first_failure["error"] = recorded["error"]
+            first_failure["error"] = cause["error"]
         diagnosis = {"time": time.time(), "first_failure": first_failure, "failures": failures}
         health = run_dir / "health"
         health.mkdir(parents=True, exist_ok=True)

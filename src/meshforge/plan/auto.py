@@ -137,31 +137,6 @@ def threads_per_worker(cfg: JobConfig, nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
-@dataclass(frozen=True)
-class PlanningMachine:
-    cluster: Cluster
-    source: str  # how the profile was obtained, for the printed line
-
-
-def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1):
-    """The machine `parallel: auto` plans for: measured (cached) or assumed."""
-    device, backend = launch_device(cfg)
-    threads = threads_per_worker(cfg, nproc)
-    cached = load_cached_profile(profile_cache_key(device, backend, world_size, threads, nnodes))
-    if cached is not None:
-        profile, entry = cached
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("measured_unix_s", 0)))
-        return PlanningMachine(profile.to_cluster(world_size), f"profile measured {when}")
-    if device == "cuda":
-        from meshforge.plan.request import build_cluster
-
-        cluster = build_cluster(world_size, "h100", gpus_per_node=max(1, nproc))
-        return PlanningMachine(cluster, "assumed h100 (no measured profile yet)")
-    return PlanningMachine(
-        ASSUMED_CPU_PROFILE.to_cluster(world_size), "assumed cpu profile (none measured yet)"
-    )
-
-
 # -- the trainer on a host without streams (CPU, gloo) -------------------------------------
 #
 # The planner's time model (timing.py) is the GPU one: FSDP's collectives run on their
@@ -175,8 +150,9 @@ def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1)
 #
 #   ZeRO-0   DDP: the grads all-reduced in buckets of parallel.bucket_mb, all but the
 #            last hidden under the backward of the last micro-batch (gloo's thread)
-#   ZeRO-1   as 0, plus ZeroRedundancyOptimizer's broadcast of every parameter from its
-#            owner after the step (one broadcast per parameter tensor), exposed
+#   ZeRO-1   as 0, plus ZeroRedundancyOptimizer's broadcast of the updated parameters
+#            from their owners after the step, exposed (it issues one broadcast per
+#            parameter, all in flight together: counted as one per owner rank)
 #   ZeRO-2   per unit, one all-gather (the first forward) and one reduce-scatter (the
 #            last backward) per step, exposed
 #   ZeRO-3   per unit, an all-gather in every forward and every backward, one
@@ -205,12 +181,12 @@ class HostCosts:
 ASSUMED_HOST_COSTS = HostCosts(3e9, 0.75e9)  # stated: a CPU AdamW on DTensors is ~4x slower
 
 
-def _gpt_units(shape: GPTShape) -> tuple[list[float], int]:
-    """(parameters of each FSDP unit: the blocks, then the root; parameter tensors)."""
+def _gpt_units(shape: GPTShape) -> list[float]:
+    """Parameters of each FSDP unit: the blocks, then the root."""
     from meshforge.plan.flops import params_per_rank
 
     rank = params_per_rank(shape, 1, 1)
-    return [rank.block] * shape.n_layers + [rank.root], 12 * shape.n_layers + 4
+    return [rank.block] * shape.n_layers + [rank.root]
 
 
 def host_step_time(
@@ -231,7 +207,7 @@ def host_step_time(
     layout, training = prediction.layout, prediction.training
     d, zero = layout.dp, layout.zero
     m = training.microbatches(d)
-    units, tensors = _gpt_units(shape)
+    units = _gpt_units(shape)
     params = sum(units)
     bw, lat = cluster.group_busbw(d, layout.dp_stride)
 
@@ -248,8 +224,8 @@ def host_step_time(
         buckets = [cap] * int(n_full) + ([rest] if rest else [])
         total = sum(t("all_reduce", b) for b in buckets)
         comm = max(0.0, total - last_backward) + t("all_reduce", buckets[-1])
-        if zero == 1:
-            comm += tensors * t("broadcast", 4.0 * params / tensors)
+        if zero == 1:  # per-parameter broadcasts, all in flight: one per owner's share
+            comm += d * t("broadcast", 4.0 * params / d)
     elif d > 1:
         p_bytes = 2.0 if training.precision != "fp32" else 4.0
         gathers = sum(t("all_gather", p_bytes * u) for u in units)
@@ -269,6 +245,40 @@ def host_step_time(
     }
 
 
+@dataclass(frozen=True)
+class PlanningMachine:
+    cluster: Cluster
+    host: HostCosts | None  # a CPU host: rank layouts with host_step_time
+    source: str  # how the profile was obtained, for the printed line
+
+
+def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1):
+    """The machine `parallel: auto` plans for: measured (cached) or assumed."""
+    device, backend = launch_device(cfg)
+    threads = threads_per_worker(cfg, nproc)
+    cached = load_cached_profile(profile_cache_key(device, backend, world_size, threads, nnodes))
+    if cached is not None:
+        profile, entry = cached
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("measured_unix_s", 0)))
+        host = None
+        if device == "cpu":
+            try:
+                host = HostCosts(**entry["host"])
+            except (KeyError, TypeError):
+                host = HostCosts.from_profile(profile)
+        return PlanningMachine(profile.to_cluster(world_size), host, f"profile measured {when}")
+    if device == "cuda":
+        from meshforge.plan.request import build_cluster
+
+        cluster = build_cluster(world_size, "h100", gpus_per_node=max(1, nproc))
+        return PlanningMachine(cluster, None, "assumed h100 (no measured profile yet)")
+    return PlanningMachine(
+        ASSUMED_CPU_PROFILE.to_cluster(world_size),
+        ASSUMED_HOST_COSTS,
+        "assumed cpu profile (none measured yet)",
+    )
+
+
 # -- the choice --------------------------------------------------------------------------------
 
 
@@ -281,9 +291,23 @@ def shape_of(cfg: JobConfig) -> GPTShape:
     return GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio)
 
 
-def choose_layout(cfg: JobConfig, world_size: int, cluster: Cluster) -> Prediction:
+@dataclass(frozen=True)
+class AutoChoice:
+    prediction: Prediction  # the planner's evaluation of the chosen layout
+    step_time_s: float  # with the host model on a CPU host, else the planner's
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.fits
+
+
+def choose_layout(
+    cfg: JobConfig, world_size: int, cluster: Cluster, host: HostCosts | None = None
+) -> AutoChoice:
     """The fastest layout the trainer supports for `world_size` ranks (if none fits,
-    the one needing least memory, with `fits` False)."""
+    the one needing least memory, with `fits` False). Each candidate (ZeRO stage,
+    micro-batch) is evaluated by `best_layout` with every field fixed; with `host`, the
+    step time is the CPU host's (host_step_time)."""
     t = cfg.train
     if t.global_batch % world_size:
         raise ConfigError(
@@ -299,23 +323,34 @@ def choose_layout(cfg: JobConfig, world_size: int, cluster: Cluster) -> Predicti
         optimizer="adamw",
         sdpa=True,
     )
-    best: Prediction | None = None
-    for b in _divisors(t.global_batch // world_size):
-        choice = LayoutChoice(dp=world_size, tp=1, pp=1, micro_batch=b, virtual_stages=1,
-                              recompute=recompute, sequence_parallel=False)  # fmt: skip
-        candidate = best_layout(shape_of(cfg), training, cluster, choice)
-        if best is None or _better(candidate, best):
-            best = candidate
-    assert best is not None  # 1 always divides
+    shape = shape_of(cfg)
+    bucket_mb = ParallelConfig().bucket_mb
+    best: AutoChoice | None = None
+    for zero in (0, 1, 2, 3) if world_size > 1 else (0,):
+        for b in _divisors(t.global_batch // world_size):
+            choice = LayoutChoice(dp=world_size, tp=1, pp=1, zero=zero, micro_batch=b,
+                                  virtual_stages=1, recompute=recompute,
+                                  sequence_parallel=False)  # fmt: skip
+            pred = best_layout(shape, training, cluster, choice)
+            step = pred.step_time_s or 0.0
+            if host is not None:
+                step = host_step_time(pred, shape, cluster, host, bucket_mb)["step_s"]
+            candidate = AutoChoice(pred, step)
+            if best is None or _better(candidate, best):
+                best = candidate
+    assert best is not None  # zero 0 with micro-batch 1 is always a candidate
     return best
 
 
-def _better(a: Prediction, b: Prediction) -> bool:
+def _better(a: AutoChoice, b: AutoChoice) -> bool:
     if a.fits != b.fits:
         return a.fits
     if not a.fits:
-        return a.memory.total < b.memory.total
-    return (a.step_time_s or 0.0, a.memory.total) < (b.step_time_s or 0.0, b.memory.total)
+        return a.prediction.memory.total < b.prediction.memory.total
+    return (a.step_time_s, a.prediction.memory.total) < (
+        b.step_time_s,
+        b.prediction.memory.total,
+    )
 
 
 def apply_choice(cfg: JobConfig, prediction: Prediction) -> JobConfig:
@@ -330,24 +365,24 @@ def apply_choice(cfg: JobConfig, prediction: Prediction) -> JobConfig:
 
 
 def resolve_parallel_auto(
-    cfg: JobConfig, world_size: int, nproc: int | None = None, nnodes: int = 1,
-    cluster: Cluster | None = None,
-) -> tuple[JobConfig, str | None]:  # fmt: skip
+    cfg: JobConfig,
+    world_size: int,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    machine: PlanningMachine | None = None,
+) -> tuple[JobConfig, str | None]:
     """(config with the layout chosen, the one line saying so); unchanged and None when
     the config does not say `parallel: auto`."""
     if cfg.parallel != "auto":
         return cfg, None
-    source = "given cluster"
-    if cluster is None:
-        machine = launch_machine(cfg, world_size, nproc or world_size, nnodes)
-        cluster, source = machine.cluster, machine.source
-    prediction = choose_layout(cfg, world_size, cluster)
-    resolved = apply_choice(cfg, prediction)
-    layout = prediction.layout
-    fits = "" if prediction.fits else ", does NOT fit in memory"
+    machine = machine or launch_machine(cfg, world_size, nproc or world_size, nnodes)
+    choice = choose_layout(cfg, world_size, machine.cluster, machine.host)
+    resolved = apply_choice(cfg, choice.prediction)
+    layout = choice.prediction.layout
+    fits = "" if choice.fits else ", does NOT fit in memory"
     line = (
         f"meshforge: parallel: auto -> dp={layout.dp} zero={layout.zero} tp=1 pp=1 "
-        f"micro_batch={prediction.training.micro_batch} "
-        f"(predicted {1e3 * (prediction.step_time_s or 0):.1f} ms/step{fits}; {source})"
+        f"micro_batch={choice.prediction.training.micro_batch} "
+        f"(predicted {1e3 * choice.step_time_s:.1f} ms/step{fits}; {machine.source})"
     )
     return resolved, line

@@ -84,6 +84,9 @@ def distributed(
     )
     try:
         yield Runtime(env=env, device=dev, backend=bk)
+        # Leave together: a rank that tears down while a peer still finishes its
+        # report breaks the peer's connections (seen as aborts at exit under gloo).
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -102,7 +102,11 @@ def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
         from meshforge.observe.machine import predict_for_job
 
         predicted = predict_for_job(
-            trainer.cfg, trainer.rt.world_size, measured.profile, measured.runtime_bytes
+            trainer.cfg,
+            trainer.rt.world_size,
+            measured.profile,
+            measured.runtime_bytes,
+            measured.host,
         )
         predicted["measurement"] = measured.details
         return predicted

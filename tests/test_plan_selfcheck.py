@@ -1,0 +1,141 @@
+"""The planner checks itself against real runs (issue 3, part 5).
+
+Every `meshforge train` report carries `predicted`: the planner's memory and step
+time for that run, on the profile the run measured of its own machine (matmul rate
+at the model's sizes, the optimizer step, gloo all-reduce on the live group). Here,
+for DDP and ZeRO-3 at world 2: model-state memory within 10% per rank, and step time
+within a factor of 1.5 of the measured median step.
+
+The model is the tiny GPT widened to d_model=128 so that its matmuls, not Python's
+per-op overhead, make up most of a step (the planner models FLOPs, collectives and the
+optimizer; it does not model the interpreter: on d_model=32 it under-predicts, see
+benchmarks/planner_accuracy.py and docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meshforge.config import build_config
+from meshforge.errors import ConfigError
+from meshforge.observe.machine import fit_allreduce, fit_matmul_curve, predict_for_job
+from meshforge.plan.auto import HostCosts, host_step_time
+from meshforge.plan.comm import collective_time
+from meshforge.plan.efficiency import matmul_unit_flops
+from meshforge.plan.flops import GPTShape, microbatch_flops
+from meshforge.plan.layout import Layout
+from meshforge.plan.predict import predict_run
+from meshforge.plan.profile import MachineProfile
+
+MODEL = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
+TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
+PROFILE = MachineProfile(
+    name="cpu:gloo:1thr",
+    matmul_flops_per_s=6e10,
+    allreduce_busbw_bytes_per_s=1e9,
+    allreduce_latency_s=3e-4,
+    memory_bytes=16e9,
+    memory_bandwidth_bytes_per_s=2e9,
+    matmul_overhead_s=1e-3,
+)
+
+
+def _selfcheck(job, label: str) -> None:
+    report = job.report
+    predicted = report["predicted"]
+    assert predicted and "error" not in predicted, predicted
+    want = predicted["model_state_bytes"]["total"]
+    for rank, measured in enumerate(report["model_state_bytes"]):
+        ratio = measured["total"] / want
+        assert 0.9 <= ratio <= 1.1, f"{label} rank {rank}: model states {measured} vs {want}"
+    ratio = report["step_time_s"] / predicted["step_time_s"]
+    assert 1 / 1.5 <= ratio <= 1.5, (
+        f"{label}: measured step {report['step_time_s']:.4f} s, predicted "
+        f"{predicted['step_time_s']:.4f} s (ratio {ratio:.2f}); "
+        f"breakdown {predicted['time_breakdown_s']}, measurement {predicted['measurement']}"
+    )
+
+
+@pytest.mark.parametrize("zero", [0, 3], ids=["ddp", "zero3"])
+def test_prediction_matches_the_run_at_world_2(job_factory, zero):
+    job = job_factory(
+        {"model": MODEL, "parallel": {"zero": zero}, "train": TRAIN}, name=f"zero{zero}"
+    )
+    job.train(2)
+    _selfcheck(job, f"zero={zero}")
+    predicted = job.report["predicted"]
+    assert predicted["layout"]["dp"] == 2 and predicted["layout"]["zero"] == zero
+    assert predicted["profile"]["allreduce_busbw_bytes_per_s"] > 0
+    assert predicted["measurement"]["allreduce"]["points"]  # measured on the live group
+
+
+def test_tp2_selfcheck(job_factory):
+    raw = {"model": MODEL, "parallel": {"tp": 2}, "train": TRAIN}
+    try:
+        build_config(raw).check_trainable()
+    except ConfigError as exc:
+        pytest.skip(f"tensor parallelism is not implemented yet: {exc}")
+    job = job_factory(raw, name="tp2")
+    job.train(2)
+    _selfcheck(job, "tp=2")
+
+
+# -- the pieces, without a run -------------------------------------------------------
+
+
+def test_the_fitted_matmul_curve_reproduces_the_time_measured_at_size():
+    shape, b = GPTShape(2, 128, 4, 256, 64), 8
+    flops = microbatch_flops(shape, b).model(shape.n_layers)
+    unit = matmul_unit_flops(b, shape.seq_len, shape.d_model, shape.mlp_ratio, 1)
+    peak, t0 = fit_matmul_curve(6e10, 0.05, flops, unit)
+    assert peak == 6e10 and t0 > 0
+    profile = MachineProfile(
+        matmul_flops_per_s=peak,
+        allreduce_busbw_bytes_per_s=1e9,
+        memory_bytes=8e9,
+        matmul_overhead_s=t0,
+    )
+    pred = predict_run(shape, Layout(), 8, b, "fp32", "none", profile)
+    assert math.isclose(pred.time.compute_s, 0.05, rel_tol=1e-9)
+    # a cached peak below the rate measured at size is not believed
+    assert fit_matmul_curve(1e9, 0.05, flops, unit) == (flops / 0.05, 0.0)
+
+
+def test_the_allreduce_fit_recovers_bandwidth_and_latency():
+    n, busbw, alpha = 4, 2e9, 1e-4
+    points = [(s, collective_time("all_reduce", s, n, busbw, alpha)) for s in (4e3, 2.6e5, 4.2e6)]
+    got_bw, got_alpha = fit_allreduce(points, n)
+    assert math.isclose(got_bw, busbw, rel_tol=1e-6)
+    assert math.isclose(got_alpha, alpha, rel_tol=1e-6)
+
+
+def test_zero3_on_a_cpu_host_pays_every_units_collectives_twice():
+    shape = GPTShape(2, 128, 4, 256, 64)
+    host = HostCosts(2e9, 2e8)
+    cluster = PROFILE.to_cluster(2)
+    zero2 = predict_run(shape, Layout(dp=2, zero=2), 16, 8, "fp32", "none", PROFILE)
+    zero3 = predict_run(shape, Layout(dp=2, zero=3), 16, 8, "fp32", "none", PROFILE)
+    t2 = host_step_time(zero2, shape, cluster, host)
+    t3 = host_step_time(zero3, shape, cluster, host)
+    units = shape.n_layers + 1
+    gather = collective_time("all_gather", 4 * 198_272, 2, 1e9, 3e-4)  # one block
+    assert t3["dp_comm_exposed_s"] - t2["dp_comm_exposed_s"] > (units - 1) * gather
+    assert t3["optimizer_s"] == t2["optimizer_s"]  # both on DTensor shards
+
+
+def test_predict_for_job_reports_memory_and_time_per_rank():
+    cfg = build_config({"model": MODEL, "parallel": {"zero": 3}, "train": TRAIN})
+    out = predict_for_job(cfg, 2, PROFILE, runtime_bytes=1e8)
+    states = out["model_state_bytes"]
+    assert states["total"] == states["params"] + states["grads"] + states["optimizer"]
+    assert states["params"] == pytest.approx(4 * 437_760 / 2)
+    assert out["memory_total_bytes"] == pytest.approx(out["planner_memory_total_bytes"] + 1e8)
+    assert out["tokens_per_s"] == pytest.approx(16 * 64 / out["step_time_s"])
+    # the trainer's `selective` (every other block recomputed) lies between none and full
+    times = {}
+    for mode in ("none", "selective", "full"):
+        sel = build_config({"model": MODEL, "train": {**TRAIN, "activation_checkpointing": mode}})
+        times[mode] = predict_for_job(sel, 2, PROFILE)["step_time_s"]
+    assert times["none"] < times["selective"] < times["full"]
