@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from meshforge.launch.local import free_port
+
 HERE = Path(__file__).resolve().parent
 LAYOUTS = {"ddp": 0, "fsdp": 3}  # plain strategy -> meshforge ZeRO stage
 
@@ -71,7 +73,9 @@ def run_plain(strategy: str, steps: int, nproc: int) -> float:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--standalone",
+            # A fresh rendezvous port each run (--standalone's fixed port can collide).
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--nproc_per_node={nproc}",
             str(HERE / "plain_loop.py"),
             "--strategy",
@@ -82,7 +86,7 @@ def run_plain(strategy: str, steps: int, nproc: int) -> float:
         check=True,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
