@@ -35,6 +35,27 @@ TINY_JOB: dict[str, Any] = {
 }
 
 
+# A small GPT and a fixed CPU machine profile shared by the planner's tests.
+SMALL_GPT = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
+
+
+def _small_cpu_profile():
+    from meshforge.plan.profile import MachineProfile
+
+    return MachineProfile(
+        name="cpu:gloo:1thr",
+        matmul_flops_per_s=6e10,
+        allreduce_busbw_bytes_per_s=1e9,
+        allreduce_latency_s=3e-4,
+        memory_bytes=16e9,
+        memory_bandwidth_bytes_per_s=2e9,
+        matmul_overhead_s=1e-3,
+    )
+
+
+SMALL_CPU_PROFILE = _small_cpu_profile()
+
+
 def merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in extra.items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from conftest import SMALL_CPU_PROFILE as PROFILE
+from conftest import SMALL_GPT as MODEL
 from meshforge.config import ParallelConfig, build_config
 from meshforge.errors import ConfigError
 from meshforge.plan.auto import (
@@ -21,19 +23,8 @@ from meshforge.plan.auto import (
 )
 from meshforge.plan.layout import Layout
 from meshforge.plan.predict import predict_run
-from meshforge.plan.profile import MachineProfile
 from meshforge.plan.request import build_cluster
 
-MODEL = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
-PROFILE = MachineProfile(
-    name="cpu:gloo:1thr",
-    matmul_flops_per_s=6e10,
-    allreduce_busbw_bytes_per_s=1e9,
-    allreduce_latency_s=3e-4,
-    memory_bytes=16e9,
-    memory_bandwidth_bytes_per_s=2e9,
-    matmul_overhead_s=1e-3,
-)
 HOST = HostCosts(2e9, 2e8)
 
 

@@ -18,6 +18,8 @@ import math
 
 import pytest
 
+from conftest import SMALL_CPU_PROFILE as PROFILE
+from conftest import SMALL_GPT as MODEL
 from meshforge.config import build_config
 from meshforge.errors import ConfigError
 from meshforge.observe.machine import fit_allreduce, fit_matmul_curve, predict_for_job
@@ -29,17 +31,7 @@ from meshforge.plan.layout import Layout
 from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
 
-MODEL = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
 TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
-PROFILE = MachineProfile(
-    name="cpu:gloo:1thr",
-    matmul_flops_per_s=6e10,
-    allreduce_busbw_bytes_per_s=1e9,
-    allreduce_latency_s=3e-4,
-    memory_bytes=16e9,
-    memory_bandwidth_bytes_per_s=2e9,
-    matmul_overhead_s=1e-3,
-)
 
 
 def _selfcheck(job, label: str) -> None:
