@@ -32,6 +32,7 @@ class ModelConfig(_Section):
     seq_len: int = Field(128, ge=2)
     mlp_ratio: int = Field(4, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_embeddings: bool = True  # output head shares the token embedding
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -53,11 +54,19 @@ class ParallelConfig(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    microbatches: int = Field(4, ge=1)
-    virtual_stages: int = Field(1, ge=1)
+    # Under pp > 1 the pipeline's micro-batches are the gradient-accumulation
+    # micro-batches: global_batch / (dp x micro_batch) of them, micro_batch each.
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1)  # stages per pipeline rank, interleaved_1f1b only
+    sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tp > 1)
+    loss_parallel: bool = True  # tp > 1: cross-entropy on vocabulary-sharded logits
     mode: Literal["collective", "parameter_server"] = "collective"
     bucket_mb: float = Field(25.0, gt=0)
+
+    @field_validator("pp_schedule", mode="before")
+    @classmethod
+    def _schedule_alias(cls, value: Any) -> Any:
+        return "interleaved_1f1b" if value == "interleaved" else value
 
     @model_validator(mode="after")
     def _dp_positive(self) -> ParallelConfig:
@@ -128,22 +137,19 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:
-        m, p, t = self.model, self.parallel, self.train
-        auto = p == "auto"  # resolved at launch, then checked like any layout
-        if not auto and m.n_heads % p.tp:
-            raise ValueError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
-        if not auto and m.n_layers % (p.pp * p.virtual_stages):
-            raise ValueError(
-                f"parallel.pp={p.pp} x parallel.virtual_stages={p.virtual_stages} "
-                f"does not divide model.n_layers={m.n_layers}"
-            )
+        t = self.train
         if t.global_batch % t.micro_batch:
             raise ValueError(
                 f"train.global_batch={t.global_batch} is not divisible by "
                 f"train.micro_batch={t.micro_batch}"
             )
-        if not auto and p.dp != "auto":
-            _check_batch(t.global_batch, t.micro_batch, p.dp)
+        if self.parallel != "auto":  # resolved at launch, then checked like any layout
+            from meshforge.parallel.dims import check_model_split
+
+            check_model_split(self)
+            p = self.parallel
+            if p.dp != "auto":
+                _check_batch(t.global_batch, t.micro_batch, p.dp)
         return self
 
     def _parallel(self) -> ParallelConfig:
@@ -155,37 +161,21 @@ class JobConfig(_Section):
         return self.parallel
 
     def check_trainable(self) -> None:
-        """Layouts this version cannot train yet fail before any worker starts."""
+        """Layouts this version cannot train fail before any worker starts."""
         p = self._parallel()
-        if p.tp > 1 or p.pp > 1:
-            raise ConfigError(
-                f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism are "
-                "not available yet; use tp=1, pp=1"
-            )
         if p.mode != "collective":
             raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
 
     # -- layout -------------------------------------------------------------
+    def dims(self, world_size: int):  # -> ParallelDims (parallel/dims.py)
+        """The validated layout on `world_size` ranks; raises ConfigError if it cannot fit."""
+        from meshforge.parallel.dims import ParallelDims
+
+        return ParallelDims.from_config(self, world_size)
+
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
-        p = self._parallel()
-        model_ranks = p.tp * p.pp
-        if world_size % model_ranks:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.tp x parallel.pp "
-                f"= {model_ranks}"
-            )
-        dp = world_size // model_ranks
-        if p.dp != "auto" and p.dp != dp:
-            raise ConfigError(
-                f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} does not equal the world size "
-                f"{world_size}"
-            )
-        try:
-            _check_batch(self.train.global_batch, self.train.micro_batch, dp)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return dp
+        return self.dims(world_size).dp
 
     def grad_accum_steps(self, dp: int) -> int:
         return self.train.global_batch // (dp * self.train.micro_batch)

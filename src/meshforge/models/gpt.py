@@ -1,10 +1,21 @@
 """A decoder-only GPT that fits on a screen: pre-LayerNorm blocks, causal attention
 through scaled_dot_product_attention, a GELU MLP, and an output head tied to the
-token embedding. It knows nothing about how it is parallelised."""
+token embedding (or its own, with `model.tie_embeddings: false`).
+
+It knows nothing about how it is parallelised, but is ready to be cut:
+- q, k and v are separate projections, so a column-wise split gives each tensor-
+  parallel rank whole heads; attention takes its head count from the shard.
+- blocks live in a ModuleDict keyed by layer index, so a pipeline stage that holds
+  layers 4-7 still names them `blocks.4` ... `blocks.7`.
+- a stage may drop the embeddings (`tok_emb = None`) or the head (`ln_f`, `head`);
+  forward skips what is absent.
+- `init_weights` gives every parameter the values it would have in the full model,
+  whatever slice of it this process holds (see its docstring)."""
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -22,25 +33,29 @@ def shape_of(cfg: ModelConfig) -> GPTShape:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
         mlp_ratio=cfg.mlp_ratio,
+        tie_embeddings=cfg.tie_embeddings,
     )
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        # (b, s, h) -> (b, heads, s, head_dim)
-        q, k, v = (t.view(b, s, self.n_heads, h // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        b, s, _ = x.shape
+        # (b, s, heads*head_dim) -> (b, heads, s, head_dim); "-1": the heads this shard holds
+        q, k, v = (
+            lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -66,41 +81,62 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embeddings(nn.Module):
+    """Token + learned position embeddings, then dropout."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.reset_parameters()
+        self.embed: Embeddings | None = Embeddings(cfg)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
+        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights(seed=torch.initial_seed())
 
-    def reset_parameters(self) -> None:
-        # GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L).
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                is_norm_weight = ".ln" in f".{name}" and name.endswith("weight")
-                nn.init.ones_(p) if is_norm_weight else nn.init.zeros_(p)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                nn.init.normal_(p, 0.0, 0.02)
+    def tie_weights(self) -> None:
+        """Share the token embedding with the output head (when configured and both
+        are on this module). Call again after anything that replaces parameters."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (b, s) -> logits (b, s, vocab)."""
-        s = idx.shape[1]
-        pos = torch.arange(s, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+        """Token ids (b, s) -> logits (b, s, vocab); a pipeline stage without the
+        embeddings takes hidden states, one without the head returns them."""
+        x = self.embed(idx) if self.embed is not None else idx
+        for block in self.blocks.values():
             x = block(x)
-        # Output head tied to the token embedding.
-        return F.linear(self.ln_f(x), self.tok_emb.weight)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)),
+        LayerNorm weights 1, biases 0.
+
+        Each parameter draws from its own generator seeded by (seed, name), so its
+        values do not depend on which other parameters this process holds or in which
+        order they are visited: a tensor-parallel shard, an FSDP shard or a pipeline
+        stage gets exactly the slice of the full model that world 1 would build."""
+        for name, p in self.named_parameters():
+            full = init_value(name, tuple(p.shape), self.cfg.n_layers, seed)
+            copy_full_into(p, full)
 
     @torch.no_grad()
     def generate(
@@ -118,3 +154,28 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def init_value(name: str, shape: tuple[int, ...], n_layers: int, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of one parameter, on CPU in fp32."""
+    if len(shape) == 1:
+        is_norm_weight = ".ln" in f".{name}" and name.endswith("weight")
+        return torch.ones(shape) if is_norm_weight else torch.zeros(shape)
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith("proj.weight") else 0.02
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the slice of `full` that `param` holds: all of it for a plain tensor, the
+    local shard for a DTensor (tensor parallel, FSDP, or both)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank built the same `full`; take the local slice, no comm.
+        local = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)

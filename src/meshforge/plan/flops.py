@@ -3,7 +3,7 @@
 The GPT is the one in `meshforge.models.gpt`: learned token and position
 embeddings, pre-LayerNorm blocks (QKV and output projections with bias, a GELU
 MLP of width mlp_ratio*h with bias), a final LayerNorm, and an output head tied
-to the token embedding.
+to the token embedding (or untied: `tie_embeddings=False`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ class GPTShape:
     vocab_size: int
     seq_len: int
     mlp_ratio: int = 4
+    tie_embeddings: bool = True
 
 
 @dataclass(frozen=True)
 class ParamCount:
     total: int
-    embedding: int  # token + position embeddings (the head is tied, so not counted twice)
+    embedding: int  # token + position embeddings, + the output head when it is not tied
     non_embedding: int
 
 
@@ -35,6 +36,8 @@ def gpt_param_count(shape: GPTShape) -> ParamCount:
     norms = 2 * (2 * h)  # two LayerNorms per block (weight + bias)
     per_block = attn + mlp + norms
     embedding = shape.vocab_size * h + shape.seq_len * h
+    if not shape.tie_embeddings:  # an output head of its own
+        embedding += shape.vocab_size * h
     non_embedding = L * per_block + 2 * h  # + final LayerNorm
     return ParamCount(embedding + non_embedding, embedding, non_embedding)
 

@@ -1,14 +1,18 @@
 """Atomic, resharding checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is a directory `checkpoints/step-NNNNNNNN/` holding the DCP shards
-of the model and optimizer (keyed by parameter name, so any layout can load any
-other: DCP reshards), `trainer_state.json` (step, LR schedule, loss scaler),
-`rng-rank-K.pt` and a `manifest.json` with the sha256 of every file.
+of the model and optimizer (as `get_state_dict` gives them: keyed by the full
+model's parameter names whatever the layout, so any layout loads any other and
+DCP reshards), `trainer_state.json` (step, layout, loss scaler), `rng-rank-K.pt`
+and a `manifest.json` with the sha256 of every file.
 
-Commit protocol: every rank writes into `.tmp-step-NNNNNNNN/`; after a barrier
-rank 0 hashes the files, writes the manifest, and renames the directory into
-place. A crash before the rename leaves only a temporary directory, which is
-ignored; a directory whose checksums do not match is skipped with a warning.
+Commit protocol: every rank writes into `.tmp-step-NNNNNNNN/` and hashes the
+files it wrote itself (its DCP shard files `__K_*.distcp`, its RNG state), so the
+hashing is spread over the ranks; rank 0 gathers the hashes, adds its own files
+(DCP's `.metadata`, the trainer state), writes the one manifest, and renames the
+directory into place. A crash before the rename leaves only a temporary
+directory, which is ignored; a directory whose checksums do not match is skipped
+with a warning.
 """
 
 from __future__ import annotations
@@ -55,16 +59,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, step: int) -> dict[str, Any]:
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def hash_own_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Entries for the files this rank wrote: its DCP shards and its RNG state."""
+    own = [*directory.glob(f"__{rank}_*"), directory / f"rng-rank-{rank}.pt"]
+    return {p.name: _file_entry(p) for p in own if p.is_file()}
+
+
+def write_manifest(
+    directory: Path, step: int, hashed: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The manifest over every file of `directory`; `hashed` holds entries the ranks
+    already computed, the rest are hashed here."""
+    hashed = dict(hashed or {})
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    manifest = {
-        "format": "meshforge-checkpoint-v1",
-        "step": step,
-        "files": {
-            str(p.relative_to(directory)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
-            for p in files
-        },
-    }
+    entries = {}
+    for p in files:
+        rel = str(p.relative_to(directory))
+        entries[rel] = hashed.get(rel) or _file_entry(p)
+    manifest = {"format": "meshforge-checkpoint-v1", "step": step, "files": entries}
     tmp = directory / (MANIFEST + ".tmp")
     with tmp.open("w") as f:
         json.dump(manifest, f, indent=1)
@@ -123,9 +139,44 @@ def prune(ckpt_root: Path, keep: int) -> None:
 class Snapshot:
     """What a rank contributes to a checkpoint."""
 
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, dict[str, torch.Tensor]]
+    model: dict[str, Any]  # get_state_dict's model state: full names, DTensors where sharded
+    optimizer: dict[str, Any]  # get_state_dict's flattened optimizer state
     trainer_state: dict[str, Any]  # rank 0's is written
+
+
+class Checkpointer:
+    """Saves and resumes a run's model and optimizer state under any layout.
+
+    The state comes from the optimizer container's `get_state_dict` view (one
+    entry per parameter of the full model), so a checkpoint written under one
+    layout loads under another: DCP reads each rank's slice of every tensor."""
+
+    def __init__(self, root: Path, optimizers: Any, keep: int, warn=log.warning) -> None:
+        self.root, self.optimizers, self.keep, self.warn = Path(root), optimizers, keep, warn
+
+    def snapshot(self, trainer_state: dict[str, Any]) -> Snapshot:
+        model, optim = self.optimizers.state_dicts()
+        return Snapshot(model, optim, trainer_state)
+
+    def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
+        """Collective."""
+        return save(self.root, step, self.snapshot(trainer_state), self.keep)
+
+    def resume(self, is_main: bool) -> dict[str, Any] | None:
+        """Collective: load the newest valid checkpoint into the model and optimizer;
+        its trainer state, or None when there is none."""
+        found = [None]
+        if is_main:
+            hit = find_latest_valid(self.root, warn=self.warn)
+            found = [str(hit[1]) if hit else None]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return None
+        self.optimizers.ensure_state()
+        snap = self.snapshot({})
+        state = load(Path(found[0]), snap)
+        self.optimizers.load_state_dicts(snap.model, snap.optimizer)
+        return state
 
 
 def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int) -> Path:
@@ -142,11 +193,16 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int) -> Path:
     torch.save(_rng_state(), tmp / f"rng-rank-{rank}.pt")
     if rank == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(snap.trainer_state, indent=1))
-    dist.barrier()
+    own = hash_own_files(tmp, rank)
+    hashes: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.gather_object(own, hashes if rank == 0 else None, dst=0)
     if rank == 0:
         if fail_before_commit(step):
             raise RuntimeError(f"injected fault before committing checkpoint of step {step}")
-        write_manifest(tmp, step)
+        merged: dict[str, Any] = {}
+        for h in hashes:
+            merged.update(h or {})
+        write_manifest(tmp, step, merged)
         if final.exists():  # a previous run reached the same step; replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)

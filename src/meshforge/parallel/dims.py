@@ -1,0 +1,211 @@
+"""The layout of a job: dp x tp x pp degrees, their validation, and the one N-D mesh.
+
+`ParallelDims` is the only place that knows ranks and groups. Everything else
+asks it: the data-parallel rank and size (which samples a rank reads), the tensor-
+and pipeline-parallel sub-meshes, and the groups over which the loss, the gradient
+norm and the metrics are reduced.
+
+Rank order follows torchtitan and Megatron-LM: tensor parallel innermost (a TP
+group is contiguous, so it stays inside a node when it fits), data parallel next,
+pipeline stages outermost. The mesh is `("pp", "dp", "tp")`;
+global rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+
+Validation is plain Python (no torch import) so `meshforge train` refuses a bad
+layout before any worker starts; each error names the fields involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from meshforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshforge.config import JobConfig
+
+MESH_DIMS = ("pp", "dp", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Pipeline stages each pipeline rank holds: v for interleaved, two for the V shape."""
+    if schedule == "interleaved_1f1b":
+        return virtual_stages
+    if schedule == "zbv":
+        return 2
+    return 1
+
+
+def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step a schedule accepts (torch.distributed.pipelining:
+    1F1B and the V schedules need at least one per stage to fill the pipeline)."""
+    return 1 if schedule == "gpipe" else pp
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1  # per data-parallel rank per optimizer step
+
+    # -- construction and validation ----------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
+        """The layout of `cfg` on `world_size` ranks; ConfigError naming the fields if
+        it cannot train there."""
+        p = cfg._parallel()
+        if p.mode != "collective":
+            raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
+        check_model_split(cfg)
+        model_ranks = p.tp * p.pp
+        if world_size % model_ranks:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp={p.tp} x "
+                f"parallel.pp={p.pp} = {model_ranks}"
+            )
+        dp = world_size // model_ranks
+        if p.dp != "auto" and p.dp != dp:
+            raise ConfigError(
+                f"parallel.dp={p.dp} x parallel.tp={p.tp} x parallel.pp={p.pp} = "
+                f"{p.dp * model_ranks} does not equal the world size {world_size}"
+            )
+        t = cfg.train
+        if t.global_batch % (dp * t.micro_batch):
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by "
+                f"dp={dp} x train.micro_batch={t.micro_batch}"
+            )
+        m = t.global_batch // (dp * t.micro_batch)
+        if p.pp > 1 and m < min_microbatches(p.pp_schedule, p.pp):
+            raise ConfigError(
+                f"parallel.pp_schedule={p.pp_schedule} with parallel.pp={p.pp} needs at least "
+                f"{min_microbatches(p.pp_schedule, p.pp)} micro-batches per step; "
+                f"train.global_batch / (dp x train.micro_batch) = {t.global_batch} / "
+                f"({dp} x {t.micro_batch}) = {m}"
+            )
+        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and m % p.pp:
+            raise ConfigError(
+                f"parallel.pp_schedule=interleaved_1f1b needs the micro-batches per step ({m}) "
+                f"to be a multiple of parallel.pp={p.pp}"
+            )
+        return cls(
+            dp=dp,
+            tp=p.tp,
+            pp=p.pp,
+            zero=p.zero,
+            sequence_parallel=p.sequence_parallel,
+            pp_schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
+            microbatches=m,
+        )
+
+    # -- degrees --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * stages_per_rank(self.pp_schedule, self.virtual_stages)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
+        out["sequence_parallel"] = self.sequence_parallel
+        if self.pp_enabled:
+            out["pp_schedule"] = self.pp_schedule
+            out["virtual_stages"] = stages_per_rank(self.pp_schedule, self.virtual_stages)
+        return out
+
+    # -- ranks (pure: the same arithmetic the mesh uses) ------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's position on each mesh dimension."""
+        return {
+            "tp": rank % self.tp,
+            "dp": (rank // self.tp) % self.dp,
+            "pp": rank // (self.tp * self.dp),
+        }
+
+    # -- the mesh ----------------------------------------------------------------------
+    def build_mesh(self, device: torch.device) -> DeviceMesh:
+        """One DeviceMesh over the world with named dimensions ("pp", "dp", "tp");
+        a dimension of size 1 is kept so every layout names the same dimensions."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(
+            device.type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS
+        )
+
+
+def check_model_split(cfg: JobConfig) -> None:
+    """The rules that depend only on the model and the layout's degrees."""
+    m, p = cfg.model, cfg._parallel()
+    if m.n_heads % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
+    hidden = m.mlp_ratio * m.d_model
+    if hidden % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the MLP width "
+            f"model.mlp_ratio x model.d_model = {hidden}"
+        )
+    if m.vocab_size % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size} "
+            "(the embedding and output head are split over the vocabulary)"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if p.sequence_parallel and m.seq_len % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel: parallel.tp={p.tp} does not divide "
+            f"model.seq_len={m.seq_len}"
+        )
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallel.virtual_stages={p.virtual_stages} needs "
+            f"parallel.pp_schedule=interleaved_1f1b (got {p.pp_schedule})"
+        )
+    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and p.virtual_stages < 2:
+        raise ConfigError(
+            "parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2"
+        )
+    chunks = p.pp * stages_per_rank(p.pp_schedule, p.virtual_stages) if p.pp > 1 else 1
+    if m.n_layers % chunks:
+        raise ConfigError(
+            f"parallel.pp={p.pp} x {stages_per_rank(p.pp_schedule, p.virtual_stages)} "
+            f"stage(s) per rank ({p.pp_schedule}) = {chunks} stages does not divide "
+            f"model.n_layers={m.n_layers}"
+        )
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings=true shares the embedding with the output head, which "
+            f"parallel.pp={p.pp} puts on different stages; set model.tie_embeddings: false"
+        )
+    if p.zero == 1 and (p.pp > 1 or p.tp > 1):
+        raise ConfigError(
+            f"parallel.zero=1 with parallel.tp={p.tp}, parallel.pp={p.pp} is not supported "
+            "(torch's ZeroRedundancyOptimizer takes plain tensors only); use zero: 2 or 3"
+        )
+    if cfg.precision.dtype == "fp16" and (p.pp > 1 or p.tp > 1):
+        raise ConfigError(
+            f"precision.dtype=fp16 with parallel.tp={p.tp}, parallel.pp={p.pp} is not supported "
+            "(torch's loss scalers take gradients on one mesh only); use bf16"
+        )
+    if cfg.train.compile and (p.pp > 1 or p.tp > 1):
+        raise ConfigError("train.compile=true is supported with tp=1 and pp=1 only")

@@ -1,0 +1,232 @@
+"""Build the GPT for a layout: one function that applies, in torchtitan's order,
+pipeline split (outermost), tensor parallel, activation checkpointing, compile,
+then data parallel / ZeRO; and the model-side operations every layout shares
+(gradient sync control, the global gradient norm, the parameter digest).
+
+The model is built on the meta device and materialised only after it has been cut
+and sharded, so no process ever holds more than its own slice of the weights;
+`GPT.init_weights` then fills that slice with the values world 1 would have.
+
+Data parallel, by ZeRO stage:
+  0  plain dp: DDP (bucketed all-reduce overlapped with backward); with tp or pp:
+     `replicate` (DDP on FSDP2's machinery, which composes with DTensor and pipelining)
+  1  DDP + ZeroRedundancyOptimizer (dp only; refused with tp/pp by ParallelDims)
+  2  FSDP2 per block, parameters kept unsharded from forward to the end of backward
+  3  FSDP2 per block, resharded after forward
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from meshforge.config import JobConfig
+from meshforge.models.gpt import GPT
+from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+from meshforge.parallel.dims import ParallelDims
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelParts:
+    """The model as this rank holds it.
+
+    modules:   one per local pipeline stage (the whole model when pp=1), unwrapped:
+               parameter names are those of the full GPT.
+    callables: what forward is called on (the DDP wrapper under plain DDP).
+    wrapper:   "ddp", "fsdp", "replicate" or "none".
+    """
+
+    modules: list[GPT]
+    callables: list[nn.Module]
+    wrapper: str
+    dtype: str
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Autocast where no FSDP-style mixed-precision policy casts the parameters."""
+        if self.dtype == "fp32" or self.wrapper in ("fsdp", "replicate"):
+            return None
+        return DTYPES[self.dtype]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.modules:
+            m.train(mode)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip gradient reduction on all but the last micro-batch of a step."""
+        if enabled or self.wrapper == "none":
+            yield
+            return
+        if self.wrapper == "ddp":
+            with contextlib.ExitStack() as stack:
+                for c in self.callables:
+                    stack.enter_context(c.no_sync())
+                yield
+            return
+        fsdp = [m for m in self.modules if isinstance(m, FSDPModule)]
+        for m in fsdp:
+            m.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True)
+
+
+def build_gpt(cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> ModelParts:
+    """The GPT of `cfg`, cut, sharded and initialised for this rank of `dims`."""
+    t, p = cfg.train, cfg._parallel()
+    with torch.device("meta"):
+        full = GPT(cfg.model)
+    if dims.pp_enabled:
+        from meshforge.parallel.pipeline import split_gpt, stage_ids
+
+        pp_rank = mesh["pp"].get_local_rank()
+        ids = stage_ids(pp_rank, dims.pp, dims.pp_schedule, dims.virtual_stages)
+        modules = [split_gpt(full, i, dims.n_stages) for i in ids]
+    else:
+        modules = [full]
+    for m in modules:
+        if dims.tp_enabled:
+            from meshforge.models.gpt_parallelize import apply_tensor_parallel
+
+            apply_tensor_parallel(
+                m,
+                mesh["tp"],
+                sequence_parallel=dims.sequence_parallel,
+                loss_parallel=loss_parallel_enabled(cfg, dims),
+            )
+        apply_activation_checkpointing(list(m.blocks.values()), t.activation_checkpointing)
+        if t.compile:  # per block, in place (parameter names unchanged), before sharding
+            for block in m.blocks.values():
+                block.compile()
+    wrapper = _data_parallel_kind(dims)
+    if wrapper in ("fsdp", "replicate"):
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=torch.float32)
+        for m in modules:
+            _shard(m, wrapper, dims.zero, mesh["dp"], mp if cfg.precision.dtype != "fp32" else None)
+    for m in modules:
+        m.to_empty(device=device)
+        m.tie_weights()
+        m.init_weights(t.seed)
+    callables: list[nn.Module] = list(modules)
+    if wrapper == "ddp":
+        callables = [
+            DistributedDataParallel(
+                m,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=mesh["dp"].get_group(),
+                bucket_cap_mb=p.bucket_mb,
+                gradient_as_bucket_view=True,
+            )
+            for m in modules
+        ]
+    return ModelParts(modules, callables, wrapper, cfg.precision.dtype)
+
+
+def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
+    return dims.tp_enabled and cfg._parallel().loss_parallel
+
+
+def _data_parallel_kind(dims: ParallelDims) -> str:
+    if dims.zero >= 2:
+        return "fsdp"
+    if dims.tp_enabled or dims.pp_enabled:
+        return "replicate" if dims.dp > 1 else "none"
+    return "ddp"
+
+
+def _shard(m: GPT, wrapper: str, zero: int, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+    kwargs = {} if mp is None else {"mp_policy": mp}
+    if wrapper == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(m, mesh=dp_mesh, **kwargs)
+        return
+    for block in m.blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
+    fully_shard(m, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
+
+
+# -- shared model-side operations -------------------------------------------------------
+
+
+def grad_norm_and_clip(
+    parts: ModelParts, max_norm: float, pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The global L2 norm of all gradients; clips them to max_norm when max_norm > 0.
+
+    DTensor gradients (FSDP, TP, replicate) reduce their norm over their own mesh;
+    plain gradients are full replicas (DDP). Pipeline stages hold disjoint parameters,
+    so their squared norms are summed over the pipeline group."""
+    # grouped by mesh and placement: torch's norm and foreach ops need one mesh per call
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in parts.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    device = next(parts.parameters()).device
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for params in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
+        sq = sq + _full(n).float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+    total = sq.sqrt()
+    if max_norm > 0:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def param_digest(parts: ModelParts, holder: bool) -> str:
+    """sha256 over every parameter gathered to a full fp32 tensor, in name order, on
+    global rank 0 ("" elsewhere). Collective: every rank calls it.
+
+    holder: whether this rank sends its stage's parameters (one rank per pipeline
+    stage does; its dp/tp peers only take part in the gathers)."""
+    local: dict[str, bytes] = {}
+    for name, p in sorted(parts.named_parameters()):
+        full = _full(p.detach()).float().cpu().contiguous()
+        if holder:
+            local[name] = full.numpy().tobytes()
+    gathered: list[dict[str, bytes] | None] = [None] * dist.get_world_size()
+    dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return ""
+    merged: dict[str, bytes] = {}
+    for d in gathered:
+        merged.update(d or {})
+    h = hashlib.sha256()
+    for name in sorted(merged):
+        h.update(name.encode())
+        h.update(merged[name])
+    return h.hexdigest()

@@ -1,0 +1,208 @@
+"""Step strategies: how one optimizer step runs for a kind of layout.
+
+The training loop asks a strategy for one step and gets the losses, the gradient
+norm and timings back; it never asks which ZeRO stage, TP or PP degree it runs.
+
+  AccumulatingStep  dp / ZeRO / TP: forward+backward per micro-batch, gradient
+                    reduction only on the last one (no_sync).
+  PipelinedStep     pp > 1: the step's micro-batches are the pipeline's
+                    micro-batches, run by a torch.distributed.pipelining schedule.
+
+Both then unscale (fp16), take the global gradient norm over the dp, tp and pp
+groups, clip, and step the optimizers at the step's learning rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshforge.config import JobConfig
+from meshforge.parallel.dims import ParallelDims
+from meshforge.parallel.parallelize import ModelParts, grad_norm_and_clip, loss_parallel_enabled
+from meshforge.train.optim import Optimizers
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # sum of the micro-batch mean losses (zero where not computed)
+    grad_norm: torch.Tensor | None
+    micro_s: list[float] = field(default_factory=list)  # forward+backward per micro-batch
+    busy_s: float | None = None  # pipeline: this rank's stage compute time in the step
+    wall_s: float | None = None  # pipeline: the schedule's wall time
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class StepStrategy:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        parts: ModelParts,
+        optimizers: Optimizers,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.dims, self.mesh = cfg, dims, mesh
+        self.parts, self.optimizers, self.device = parts, optimizers, device
+        self.loss_parallel = loss_parallel_enabled(cfg, dims)
+        self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+
+    # -- shared pieces ---------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.parts.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Cross-entropy on vocabulary-sharded logits under tensor parallel."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @property
+    def computes_loss(self) -> bool:
+        """Whether this rank sees the loss (under pp only the last stage does)."""
+        return True
+
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Mean over the data-parallel replicas of a per-rank loss; collective over the
+        world (ranks that do not compute the loss contribute zero)."""
+        value = local.detach().float().clone()
+        if not self.computes_loss:
+            value.zero_()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        holders = self.dims.dp * self.dims.tp  # one copy per tp rank of the last stage
+        return value / holders
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def step(self, step: int, micro_batches: Batch, measure: bool) -> StepResult:
+        self.optimizers.set_lr(step)
+        result = self.forward_backward(micro_batches, measure)
+        self.optimizers.unscale()
+        clip = self.cfg.train.grad_clip
+        if clip > 0 or measure:  # the norm costs collectives: only when needed
+            result.grad_norm = grad_norm_and_clip(self.parts, clip, self.pp_group)
+        self.optimizers.step()
+        return result
+
+    def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
+        raise NotImplementedError
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AccumulatingStep(StepStrategy):
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            logits = self.parts.callables[0](x)
+        return cross_entropy(logits, y)
+
+    def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
+        accum = len(micro_batches)
+        micro_s: list[float] = []
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            tm = time.perf_counter()
+            with self.parts.gradient_sync(i == accum - 1), self.loss_context():
+                loss = self._loss(x, y)
+                self.optimizers.scale(loss / accum).backward()
+            if measure:
+                self.sync()
+                micro_s.append(time.perf_counter() - tm)
+            loss_sum += _plain(loss.detach())
+        return StepResult(loss_sum, None, micro_s)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.loss_context():
+            return _plain(self._loss(x.to(self.device), y.to(self.device)))
+
+
+class PipelinedStep(StepStrategy):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from meshforge.parallel.pipeline import Pipeline, stage_ids
+
+        d = self.dims
+        pp_rank = self.mesh["pp"].get_local_rank()
+        self.stage_ids = stage_ids(pp_rank, d.pp, d.pp_schedule, d.virtual_stages)
+        self.holds_last = d.n_stages - 1 in self.stage_ids
+        self.holds_first = 0 in self.stage_ids
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # scaled (fp16) inside the schedule: each micro-batch's backward starts here
+            return cross_entropy(logits, targets)
+
+        self.pipeline = Pipeline(
+            self.parts.callables,
+            self.stage_ids,
+            d.n_stages,
+            self.mesh["pp"].get_group(),
+            self.device,
+            d.pp_schedule,
+            d.microbatches,
+            loss_fn,
+        )
+
+    @property
+    def computes_loss(self) -> bool:
+        return self.holds_last
+
+    def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
+        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
+        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
+        with self.autocast(), self.loss_context():
+            loss_sum = self.pipeline.step(x, y)
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=self.device)
+        return StepResult(
+            _plain(loss_sum.detach()),
+            None,
+            busy_s=self.pipeline.last_busy_s,
+            wall_s=self.pipeline.last_wall_s,
+        )
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast(), self.loss_context():
+            loss = self.pipeline.eval_loss(x.to(self.device), y.to(self.device))
+        return torch.zeros((), device=self.device) if loss is None else _plain(loss)
+
+
+def make_step(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    parts: ModelParts,
+    optimizers: Optimizers,
+    device: torch.device,
+) -> StepStrategy:
+    kind = PipelinedStep if dims.pp_enabled else AccumulatingStep
+    return kind(cfg, dims, mesh, parts, optimizers, device)
