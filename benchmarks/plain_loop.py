@@ -51,7 +51,7 @@ def main() -> None:
         wrapped = DistributedDataParallel(model)
     else:
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)

@@ -13,7 +13,7 @@ from meshforge.plan.auto import resolve_parallel_auto
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
     cfg.check_trainable()
-    cfg.resolve_dp(world_size)
+    cfg.dims(world_size)
     check_source(cfg.data.source)
 
 
@@ -35,10 +35,12 @@ def launch_training(
     (run_dir / "logs").mkdir(exist_ok=True)
     resolved = run_dir / "config.yaml"
     save_config(cfg, resolved)
-    dp = cfg.resolve_dp(world)
+    dims = cfg.dims(world)
+    pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
     print(
-        f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dp} zero={cfg.parallel.zero} "
-        f"accum={cfg.grad_accum_steps(dp)} dtype={cfg.precision.dtype} -> {run_dir}",
+        f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
+        f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches} "
+        f"dtype={cfg.precision.dtype} -> {run_dir}",
         flush=True,
     )
     from meshforge.launch.local import run_workers  # imports torch: only once input is valid

@@ -7,7 +7,7 @@ It knows nothing about how it is parallelised, but is ready to be cut:
   parallel rank whole heads; attention takes its head count from the shard.
 - blocks live in a ModuleDict keyed by layer index, so a pipeline stage that holds
   layers 4-7 still names them `blocks.4` ... `blocks.7`.
-- a stage may drop the embeddings (`tok_emb = None`) or the head (`ln_f`, `head`);
+- a stage may drop the embeddings (`embed = None`) or the head (`ln_f`, `head`);
   forward skips what is absent.
 - `init_weights` gives every parameter the values it would have in the full model,
   whatever slice of it this process holds (see its docstring)."""

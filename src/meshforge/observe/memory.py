@@ -89,3 +89,38 @@ def _union_length(ranges: list[tuple[int, int]]) -> int:
             total += end - start
             reach = end
     return total
+
+
+class SavedActivations:
+    """Bytes autograd keeps for backward while the context is open: the activation
+    memory a forward pass leaves behind (what activation checkpointing trades for
+    recomputation). Parameters are not counted; tensors sharing storage count once.
+
+        with SavedActivations() as saved:
+            loss = model(x)
+        saved.bytes
+
+    It hooks `torch.autograd.graph.saved_tensors_hooks`, so it measures the same on
+    CPU and GPU; recomputed blocks (torch.utils.checkpoint, non-reentrant) keep only
+    their inputs, which the checkpoint holds itself, so their saved tensors do not
+    reach this hook."""
+
+    def __init__(self) -> None:
+        self._seen: list[torch.Tensor] = []
+        self.bytes = 0
+        self._ctx: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad):
+            self._seen.append(t)
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+        self.bytes = tensor_bytes(self._seen)
+        self._seen = []

@@ -94,7 +94,8 @@ class DataParallelModel:
             if mp is not None:
                 kwargs["mp_policy"] = mp
             if shard_units is None:
-                shard_units = list(getattr(module, "blocks", []))
+                blocks = getattr(module, "blocks", [])
+                shard_units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
             for unit in shard_units:
                 fully_shard(unit, **kwargs)
             fully_shard(module, **kwargs)

@@ -2,9 +2,10 @@
 
 `meshforge train` calls `resolve_parallel_auto` right after loading the config. It
 asks the planner (`search.best_layout`) for the fastest layout of this machine's
-world size among those the trainer supports today: tp = 1, pp = 1, ZeRO stage 0-3,
-and a micro-batch that divides the per-rank batch (every divisor is tried, not only
-powers of two). The activation checkpointing mode stays as configured (the trainer's
+world size among those the trainer can run: every tp x pp x dp split of the world
+that `ParallelDims` accepts for the model (pp needs an untied output head), ZeRO
+stage 0-3, the 1F1B schedule, and a micro-batch that divides the per-rank batch
+(every divisor is tried, not only powers of two). The activation checkpointing mode stays as configured (the trainer's
 `selective`, every other block recomputed, is searched as `none`, which needs more
 memory, so a layout that fits with it fits with `selective`).
 
@@ -288,7 +289,9 @@ def _divisors(n: int) -> list[int]:
 
 def shape_of(cfg: JobConfig) -> GPTShape:
     m = cfg.model
-    return GPTShape(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio)
+    return GPTShape(
+        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio, m.tie_embeddings
+    )
 
 
 @dataclass(frozen=True)
@@ -309,10 +312,12 @@ def choose_layout(
     micro-batch) is evaluated by `best_layout` with every field fixed; with `host`, the
     step time is the CPU host's (host_step_time)."""
     t = cfg.train
-    if t.global_batch % world_size:
+    splits = _trainable_splits(cfg, world_size)
+    if not splits:
         raise ConfigError(
-            f"parallel: auto: train.global_batch={t.global_batch} is not divisible by the "
-            f"world size {world_size}"
+            f"parallel: auto: no layout of {world_size} ranks can train this job "
+            f"(train.global_batch={t.global_batch} must be divisible by the data-parallel "
+            "degree x a micro-batch size)"
         )
     recompute = "full" if t.activation_checkpointing == "full" else "none"
     training = Training(
@@ -326,20 +331,46 @@ def choose_layout(
     shape = shape_of(cfg)
     bucket_mb = ParallelConfig().bucket_mb
     best: AutoChoice | None = None
-    for zero in (0, 1, 2, 3) if world_size > 1 else (0,):
-        for b in _divisors(t.global_batch // world_size):
-            choice = LayoutChoice(dp=world_size, tp=1, pp=1, zero=zero, micro_batch=b,
-                                  virtual_stages=1, recompute=recompute,
-                                  sequence_parallel=False)  # fmt: skip
+    for tp, pp, zero, b in splits:
+        dp = world_size // (tp * pp)
+        choice = LayoutChoice(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
+                              virtual_stages=1, recompute=recompute,
+                              sequence_parallel=False)  # fmt: skip
+        with contextlib.suppress(ConfigError):  # a split the planner's rules reject
             pred = best_layout(shape, training, cluster, choice)
             step = pred.step_time_s or 0.0
-            if host is not None:
+            if host is not None and tp == 1 and pp == 1:
                 step = host_step_time(pred, shape, cluster, host, bucket_mb)["step_s"]
             candidate = AutoChoice(pred, step)
             if best is None or _better(candidate, best):
                 best = candidate
-    assert best is not None  # zero 0 with micro-batch 1 is always a candidate
+    if best is None:
+        raise ConfigError(f"parallel: auto: the planner found no layout for {world_size} ranks")
     return best
+
+
+def _trainable_splits(cfg: JobConfig, world_size: int) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, zero, micro_batch) candidates that ParallelDims accepts for `cfg`."""
+    from meshforge.parallel.dims import ParallelDims
+
+    t = cfg.train
+    raw = cfg.model_dump(mode="json")
+    out = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if t.global_batch % dp:
+                continue
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                for b in _divisors(t.global_batch // dp):
+                    raw["parallel"] = {"dp": dp, "tp": tp, "pp": pp, "zero": zero}
+                    raw["train"]["micro_batch"] = b
+                    try:
+                        ParallelDims.from_config(build_config(raw), world_size)
+                    except ConfigError:
+                        continue
+                    out.append((tp, pp, zero, b))
+    return out
 
 
 def _better(a: AutoChoice, b: AutoChoice) -> bool:
@@ -357,9 +388,9 @@ def apply_choice(cfg: JobConfig, prediction: Prediction) -> JobConfig:
     """`cfg` with the chosen layout written in (a fresh, validated config)."""
     raw = cfg.model_dump(mode="json")
     layout = prediction.layout
-    raw["parallel"] = ParallelConfig(dp=layout.dp, zero=layout.zero, tp=1, pp=1).model_dump(
-        mode="json"
-    )
+    raw["parallel"] = ParallelConfig(
+        dp=layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp
+    ).model_dump(mode="json")
     raw["train"]["micro_batch"] = prediction.training.micro_batch
     return build_config(raw)
 
@@ -381,7 +412,8 @@ def resolve_parallel_auto(
     layout = choice.prediction.layout
     fits = "" if choice.fits else ", does NOT fit in memory"
     line = (
-        f"meshforge: parallel: auto -> dp={layout.dp} zero={layout.zero} tp=1 pp=1 "
+        f"meshforge: parallel: auto -> dp={layout.dp} zero={layout.zero} tp={layout.tp} "
+        f"pp={layout.pp} "
         f"micro_batch={choice.prediction.training.micro_batch} "
         f"(predicted {1e3 * choice.step_time_s:.1f} ms/step{fits}; {machine.source})"
     )

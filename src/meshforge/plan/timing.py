@@ -82,6 +82,22 @@ def pipeline_bubble_ratio(pp: int, microbatches: int, virtual_stages: int = 1) -
     return (pp - 1) / (microbatches * virtual_stages)
 
 
+def pipeline_bubble_fraction(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
+) -> float:
+    """Share of a pipeline step a stage sits idle: (p-1)/(m+p-1) for GPipe and 1F1B,
+    (p-1)/(m·v+p-1) for interleaved 1F1B with v stages per rank (Narayanan et al.
+    2021). ZB-V (Qi et al. 2024) holds two stages per rank in a V and fills the bubble
+    with weight-gradient work; its ideal bubble (equal forward, input-gradient and
+    weight-gradient times, m >= 2p) is zero, which no measurement can be compared
+    against, so this returns the bound it starts from: two stages per rank without
+    the fill, (p-1)/(2m+p-1)."""
+    if pp <= 1:
+        return 0.0
+    v = virtual_stages if schedule == "interleaved_1f1b" else 2 if schedule == "zbv" else 1
+    return (pp - 1) / (microbatches * v + pp - 1)
+
+
 def step_time(shape: GPTShape, layout: Layout, training: Training, cluster: Cluster) -> StepTime:
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     b, precision = training.micro_batch, training.precision

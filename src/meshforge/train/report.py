@@ -32,7 +32,7 @@ def time_breakdown(rows: list[dict[str, Any]]) -> dict[str, float] | None:
         "data": sum(r["data_s"] for r in rows),
         "compute": sum(r["compute_s"] for r in rows),
         "exposed_comm": sum(r["comm_s"] or 0.0 for r in rows),
-        "pipeline_bubble": 0.0,
+        "pipeline_bubble": sum(r.get("bubble_s") or 0.0 for r in rows),
     }
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {k: v / total for k, v in parts.items()}
@@ -83,6 +83,7 @@ def build_report(
         "data_wait_s": data_wait_s,
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "pipeline": pipeline_summary(trainer, per_rank),
         "predicted": predicted_for(trainer),
         "resumed_from": resumed_from,
         "last_checkpoint": last_checkpoint,
@@ -90,6 +91,28 @@ def build_report(
         "wall_time_s": wall_s,
     }
     return report
+
+
+def pipeline_summary(trainer: Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pipeline bubble measured on the run (each rank's idle share of the schedule's
+    wall time, from the stages' own compute timings) beside the formula's value."""
+    from meshforge.plan.timing import pipeline_bubble_fraction
+
+    dims = trainer.dims
+    if not dims.pp_enabled:
+        return None
+    measured = [r["pipeline"]["bubble"] for r in per_rank if r.get("pipeline")]
+    formula = pipeline_bubble_fraction(
+        dims.pp_schedule, dims.pp, dims.microbatches, dims.virtual_stages
+    )
+    return {
+        "schedule": dims.pp_schedule,
+        "stages": dims.n_stages,
+        "microbatches": dims.microbatches,
+        "bubble_measured": statistics.fmean(measured) if measured else None,
+        "bubble_measured_per_rank": measured,
+        "bubble_formula": formula,
+    }
 
 
 def predicted_for(trainer: Trainer) -> dict[str, Any] | None:

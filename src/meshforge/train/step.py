@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshforge.config import JobConfig
+from meshforge.observe.memory import SavedActivations
 from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.parallelize import ModelParts, grad_norm_and_clip, loss_parallel_enabled
 from meshforge.train.optim import Optimizers
@@ -39,6 +40,7 @@ class StepResult:
     micro_s: list[float] = field(default_factory=list)  # forward+backward per micro-batch
     busy_s: float | None = None  # pipeline: this rank's stage compute time in the step
     wall_s: float | None = None  # pipeline: the schedule's wall time
+    activation_bytes: int | None = None  # saved for backward by one micro-batch's forward
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -126,18 +128,25 @@ class AccumulatingStep(StepStrategy):
         accum = len(micro_batches)
         micro_s: list[float] = []
         loss_sum = torch.zeros((), device=self.device)
+        saved = None
         for i, (x, y) in enumerate(micro_batches):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             tm = time.perf_counter()
             with self.parts.gradient_sync(i == accum - 1), self.loss_context():
-                loss = self._loss(x, y)
+                if measure and i == 0:
+                    with SavedActivations() as saved:
+                        loss = self._loss(x, y)
+                else:
+                    loss = self._loss(x, y)
                 self.optimizers.scale(loss / accum).backward()
             if measure:
                 self.sync()
                 micro_s.append(time.perf_counter() - tm)
             loss_sum += _plain(loss.detach())
-        return StepResult(loss_sum, None, micro_s)
+        return StepResult(
+            loss_sum, None, micro_s, activation_bytes=None if saved is None else saved.bytes
+        )
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -328,6 +328,7 @@ class Trainer:
             "bubble_s": bubble_s,
             "other_s": max(0.0, step_s - data_s - fwd_bwd_s),
             "peak_memory_bytes": peak_memory_bytes(self.device),
+            "activation_bytes": result.activation_bytes,
         }
         if self.optimizers.scaler is not None:
             row["loss_scale"] = float(self.optimizers.scaler.get_scale())
