@@ -1,131 +1,30 @@
-"""Shared fixtures: run the real `meshforge` CLI (elastic agent + gloo workers) on tiny jobs."""
+"""Fixtures only; what tests share otherwise is in helpers.py (`from helpers import ...`)."""
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-
-TINY_JOB: dict[str, Any] = {
-    "name": "tiny",
-    "model": {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
-    "data": {"source": "builtin:python-stdlib"},
-    "parallel": {"zero": 0},
-    "precision": {"dtype": "fp32"},
-    "train": {
-        "steps": 20,
-        "global_batch": 8,
-        "micro_batch": 4,
-        "lr": 3.0e-3,
-        "warmup": 5,
-        "seed": 7,
-        "eval_every": 0,
-    },
-    "checkpoint": {"every": 0, "keep": 3},
-    "observe": {"log_every": 1},
-}
-
-
-# A small GPT and a fixed CPU machine profile shared by the planner's tests.
-SMALL_GPT = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
-
-
-def _small_cpu_profile():
-    from meshforge.plan.profile import MachineProfile
-
-    return MachineProfile(
-        name="cpu:gloo:1thr",
-        matmul_flops_per_s=6e10,
-        allreduce_busbw_bytes_per_s=1e9,
-        allreduce_latency_s=3e-4,
-        memory_bytes=16e9,
-        memory_bandwidth_bytes_per_s=2e9,
-        matmul_overhead_s=1e-3,
-    )
-
-
-SMALL_CPU_PROFILE = _small_cpu_profile()
-
-
-def merge(base: dict, extra: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def meshforge(
-    args: list[str], env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """Run the CLI as a user would, in a fresh interpreter, with a time bound."""
-    full_env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "meshforge", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=REPO,
-    )
-
-
-class Job:
-    """A tiny training job written to disk and run through `meshforge train`."""
-
-    def __init__(self, tmp: Path, overrides: dict | None = None, name: str = "job") -> None:
-        self.cfg = merge(TINY_JOB, overrides or {})
-        self.dir = tmp
-        self.config_path = tmp / f"{name}.yaml"
-        self.run_dir = tmp / f"run-{name}"
-        self.config_path.write_text(yaml.safe_dump(self.cfg))
-
-    def train(
-        self, nproc: int, *extra: str, env: dict[str, str] | None = None, check: bool = True
-    ) -> subprocess.CompletedProcess:
-        proc = meshforge(
-            [
-                "train",
-                str(self.config_path),
-                "--nproc",
-                str(nproc),
-                "--run-dir",
-                str(self.run_dir),
-                *extra,
-            ],
-            env=env,
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(
-                f"meshforge train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                f"{proc.stderr[-3000:]}"
-            )
-        return proc
-
-    @property
-    def report(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / "report.json").read_text())
-
-    def losses(self) -> dict[int, float]:
-        """Train loss by step; a resumed run's later rows win."""
-        rows = [
-            json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        ]
-        return {r["step"]: r["loss"] for r in rows}
+from gloo import GlooPool
+from helpers import Job
 
 
 @pytest.fixture
 def job_factory(tmp_path: Path):
+    """Tiny training jobs in the test's temporary folder, run through `meshforge train`."""
+
     def make(overrides: dict | None = None, name: str = "job") -> Job:
         return Job(tmp_path, overrides, name)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gloo() -> Iterator[GlooPool]:
+    """In-process gloo worker pools of world size 1, 2 and 4, started on first use and
+    kept for the session: `gloo.run(world_size, fn, *args, timeout=300, **kwargs)`."""
+    pool = GlooPool()
+    yield pool
+    pool.shutdown()

@@ -3,30 +3,22 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers import run_python
 from meshforge.api import Fabric
 from meshforge.errors import ConfigError
 
 EXAMPLE = "examples/fabric_mlp.py"
 
 
-def _run_example(strategy: str) -> subprocess.CompletedProcess:
-    from conftest import REPO
-
-    return subprocess.run(
-        [sys.executable, EXAMPLE, "--nproc", "2", "--strategy", strategy, "--steps", "60"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+def _run_example(strategy: str):
+    args = [EXAMPLE, "--nproc", "2", "--strategy", strategy, "--steps", "60"]
+    return run_python(args, timeout=120)
 
 
 @pytest.mark.slow

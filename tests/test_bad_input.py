@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import TINY_JOB, merge, meshforge
+from helpers import TINY_JOB, assert_one_line_error, merge, meshforge
 
 # (id, config overrides or raw YAML text, extra CLI args, words the error must contain)
 CASES = [
@@ -56,15 +56,6 @@ CASES = [
 ]
 
 
-def _assert_one_line_error(proc, words):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for word in words:
-        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_job_input_exits_2_with_one_line(tmp_path, case):
     _, config, args, words = case
@@ -75,13 +66,13 @@ def test_bad_job_input_exits_2_with_one_line(tmp_path, case):
         path.write_text(yaml.safe_dump(merge(TINY_JOB, config)))
     run_dir = tmp_path / "run"
     proc = meshforge(["train", str(path), "--run-dir", str(run_dir), *args], timeout=120)
-    _assert_one_line_error(proc, words)
+    assert_one_line_error(proc, *words)
     assert not (run_dir / "checkpoints").exists()
 
 
 def test_missing_config_file_exits_2(tmp_path):
     proc = meshforge(["train", str(tmp_path / "absent.yaml")], timeout=60)
-    _assert_one_line_error(proc, ["config file not found", "absent.yaml"])
+    assert_one_line_error(proc, "config file not found", "absent.yaml")
 
 
 def test_bad_input_does_not_touch_an_existing_run(job_factory):
@@ -91,6 +82,6 @@ def test_bad_input_does_not_touch_an_existing_run(job_factory):
     proc = meshforge(
         ["train", str(job.config_path), "--run-dir", str(job.run_dir), "--set", "train.lr=-1"]
     )
-    _assert_one_line_error(proc, ["train.lr"])
+    assert_one_line_error(proc, "train.lr")
     after = {p: p.read_bytes() for p in job.run_dir.rglob("*") if p.is_file()}
     assert after == before

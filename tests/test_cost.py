@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import assert_one_line_error, meshforge
 from meshforge.cost.cluster import load_cluster, parse_cluster
 from meshforge.cost.run import run_cost_from_plan, run_cost_from_report
 from meshforge.cost.tco import tco
@@ -127,31 +126,21 @@ def test_bad_cluster_files_exit_2_naming_the_field(tmp_path, edit, words):
     edit(raw)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(raw))
-    proc = subprocess.run([sys.executable, "-m", "meshforge", "cost", str(path)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr
-    for word in words:
-        assert word in lines[0]
+    assert_one_line_error(meshforge(["cost", str(path)], timeout=60), *words)
 
 
 @pytest.mark.parametrize("text", ["gpus: [unclosed", "- just\n- a list\n"])
 def test_unreadable_cluster_files_exit_2(tmp_path, text):
     path = tmp_path / "cluster.yaml"
     path.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "meshforge", "cost", str(path)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert str(path) in proc.stderr
+    assert_one_line_error(meshforge(["cost", str(path)], timeout=60), str(path))
 
 
 def test_cost_cli_json_and_planned_run():
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshforge", "cost", str(EXAMPLE), "--tokens", "1e10",
-         "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304",
-         "--seq", "2048", "--global-batch", "256", "--json"],
-        capture_output=True, text=True, timeout=120,
+    proc = meshforge(
+        ["cost", str(EXAMPLE), "--tokens", "1e10", "--layers", "24", "--hidden", "2048",
+         "--heads", "16", "--vocab", "50304", "--seq", "2048", "--global-batch", "256", "--json"],
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

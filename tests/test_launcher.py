@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from helpers import meshforge
+
 
 @pytest.mark.slow
 def test_worker_failure_names_rank_and_error(job_factory):
@@ -69,8 +71,6 @@ def test_run_directory_has_the_designed_layout(job_factory):
 
 @pytest.mark.slow
 def test_training_on_prepared_token_shards(job_factory, tmp_path):
-    from conftest import meshforge
-
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(3):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

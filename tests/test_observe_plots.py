@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import run_python
 from meshforge.observe.plots import plot_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -77,4 +76,5 @@ def test_only_plots_imports_matplotlib() -> None:
         "import meshforge.observe.metrics, meshforge.observe.console\n"
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    proc = run_python(["-c", code])
+    assert proc.returncode == 0, proc.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import SMALL_CPU_PROFILE as PROFILE
-from conftest import SMALL_GPT as MODEL
+from helpers import SMALL_CPU_PROFILE as PROFILE
+from helpers import SMALL_GPT as MODEL
 from meshforge.config import ParallelConfig, build_config
 from meshforge.errors import ConfigError
 from meshforge.plan.auto import (
@@ -86,7 +86,7 @@ def test_on_a_gpu_cluster_the_planners_own_time_model_ranks():
 def test_a_mapping_is_left_alone_and_bad_input_is_named():
     cfg = build_config({"model": MODEL, "parallel": {"zero": 2}})
     assert resolve_parallel_auto(cfg, 2) == (cfg, None)
-    with pytest.raises(ConfigError, match="not divisible by the world size 3"):
+    with pytest.raises(ConfigError, match="no layout of 3 ranks"):
         resolve_parallel_auto(_cfg(), 3, machine=PlanningMachine(PROFILE.to_cluster(3), HOST, ""))
     with pytest.raises(ConfigError, match="resolved at launch"):
         _cfg().check_trainable()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from helpers import assert_one_line_error, meshforge
 
 ISSUE_FORM = (
     "--layers 96 --hidden 12288 --heads 96 --vocab 51200 --seq 2048 --gpus 1024 "
@@ -17,23 +17,12 @@ PLAN_KEYS = {"layout", "fits", "step_time_s", "tokens_per_s", "tflops_per_gpu", 
              "bubble_fraction", "memory_per_gpu_bytes"}  # fmt: skip
 
 
-def meshforge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshforge", *args], capture_output=True, text=True, timeout=120
-    )
-
-
-def _assert_usage_error(proc: subprocess.CompletedProcess, *words: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for word in words:
-        assert word in lines[0]
+def _plan(*args: str):
+    return meshforge(["plan", *args], timeout=120)
 
 
 def test_the_issue_form_prints_one_json_object_with_the_listed_keys():
-    proc = meshforge("plan", *ISSUE_FORM)
+    proc = _plan(*ISSUE_FORM)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert PLAN_KEYS <= out.keys()
@@ -52,7 +41,7 @@ def test_the_issue_form_prints_one_json_object_with_the_listed_keys():
 
 def test_params_form_gives_model_state_maths():
     args = "--params 7.5e9 --gpus 64 --zero 3 --memory-convention zero-paper --precision fp16"
-    proc = meshforge("plan", *args.split(), "--json")
+    proc = _plan(*args.split(), "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["memory_per_gpu_bytes"]["model_states"] == pytest.approx(16 * 7.5e9 / 64)
@@ -60,9 +49,9 @@ def test_params_form_gives_model_state_maths():
 
 
 def test_search_prints_candidates_best_first():
-    proc = meshforge("plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab",
-                     "50304", "--seq", "2048", "--gpus", "16", "--gpu", "h100",
-                     "--global-batch", "256", "--json")  # fmt: skip
+    proc = _plan("--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50304",
+                 "--seq", "2048", "--gpus", "16", "--gpu", "h100", "--global-batch", "256",
+                 "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     candidates = json.loads(proc.stdout)["candidates"]
     assert 1 <= len(candidates) <= 5
@@ -72,7 +61,7 @@ def test_search_prints_candidates_best_first():
 
 
 def test_table_output_for_humans():
-    proc = meshforge("plan", *ISSUE_FORM[:-1])
+    proc = _plan(*ISSUE_FORM[:-1])
     assert proc.returncode == 0, proc.stderr
     assert "MFU / HFU" in proc.stdout and "dp16 tp8 pp8" in proc.stdout
 
@@ -81,10 +70,10 @@ def test_cpu_profile_file(tmp_path):
     profile = tmp_path / "cpu.json"
     profile.write_text(json.dumps({"matmul_flops_per_s": 5e10, "allreduce_busbw_bytes_per_s": 1e9,
                                    "memory_bytes": 1.6e10}))  # fmt: skip
-    proc = meshforge("plan", "--layers", "4", "--hidden", "128", "--heads", "4", "--vocab", "256",
-                     "--seq", "128", "--global-batch", "16", "--dp", "2", "--tp", "1", "--pp", "1",
-                     "--zero", "3", "--micro-batch", "4", "--recompute", "none",
-                     "--precision", "fp32", "--cpu-profile", str(profile), "--json")  # fmt: skip
+    proc = _plan("--layers", "4", "--hidden", "128", "--heads", "4", "--vocab", "256",
+                 "--seq", "128", "--global-batch", "16", "--dp", "2", "--tp", "1", "--pp", "1",
+                 "--zero", "3", "--micro-batch", "4", "--recompute", "none",
+                 "--precision", "fp32", "--cpu-profile", str(profile), "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["n_gpus"] == 2 and out["memory_per_gpu_bytes"]["device"] == pytest.approx(8e9)
@@ -107,4 +96,4 @@ def test_cpu_profile_file(tmp_path):
     ],
 )
 def test_bad_input_exits_2_with_one_line_naming_it(args, words):
-    _assert_usage_error(meshforge("plan", *args), *words)
+    assert_one_line_error(_plan(*args), *words)

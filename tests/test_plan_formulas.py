@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
+from helpers import run_python
 from meshforge.errors import ConfigError
 from meshforge.plan.comm import (
     busbw,
@@ -30,13 +30,12 @@ from meshforge.plan.timing import pipeline_bubble_ratio
 
 def test_planner_modules_do_not_import_torch():
     # plan/ and cost/ are pure maths (DESIGN principle 6): checked in a fresh interpreter.
-    import subprocess
-
     code = (
         "import sys, meshforge.plan.search, meshforge.plan.request, meshforge.plan.calibration, "
         "meshforge.cost.run, meshforge.cost.cluster; print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python(["-c", code])
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 

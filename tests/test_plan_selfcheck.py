@@ -18,16 +18,17 @@ import math
 
 import pytest
 
-from conftest import SMALL_CPU_PROFILE as PROFILE
-from conftest import SMALL_GPT as MODEL
+from helpers import SMALL_CPU_PROFILE as PROFILE
+from helpers import SMALL_GPT as MODEL
 from meshforge.config import build_config
 from meshforge.errors import ConfigError
-from meshforge.observe.machine import fit_allreduce, fit_matmul_curve, predict_for_job
 from meshforge.plan.auto import HostCosts, host_step_time
 from meshforge.plan.comm import collective_time
 from meshforge.plan.efficiency import matmul_unit_flops
 from meshforge.plan.flops import GPTShape, microbatch_flops
+from meshforge.plan.job import predict_for_job
 from meshforge.plan.layout import Layout
+from meshforge.plan.machine_fit import fit_allreduce, fit_matmul_curve
 from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
 

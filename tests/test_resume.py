@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 
+from helpers import Job
+
 JOB = {"parallel": {"zero": 2}, "train": {"steps": 30}, "checkpoint": {"every": 10, "keep": 3}}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    from conftest import Job
-
     job = Job(tmp_path_factory.mktemp("straight"), JOB, name="straight")
     job.train(2)
     return job

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from helpers import Job, assert_one_line_error, meshforge
 from meshforge.cli.sample import load_model
 
 JOB = {"parallel": {"zero": 3}, "train": {"steps": 10, "warmup": 2}}
@@ -15,16 +16,12 @@ JOB = {"parallel": {"zero": 3}, "train": {"steps": 10, "warmup": 2}}
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
     """A ZeRO-3 world-2 run: its checkpoint holds DTensor shards of every parameter."""
-    from conftest import Job
-
     job = Job(tmp_path_factory.mktemp("sample"), JOB, name="zero3")
     job.train(2)
     return job
 
 
 def _sample(run_dir, *extra: str):
-    from conftest import meshforge
-
     return meshforge(["sample", str(run_dir), "--prompt", "def ", "--tokens", "20", *extra])
 
 
@@ -61,16 +58,8 @@ def test_zero3_shards_load_into_the_full_trained_parameters(zero3_run):
     assert _digest(model) == zero3_run.report["final_param_digest"]
 
 
-def _assert_one_line_error(proc, words: str) -> None:
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert words in lines[0]
-
-
 def test_missing_run_dir_exits_2(tmp_path):
-    _assert_one_line_error(_sample(tmp_path / "nowhere"), "not found")
+    assert_one_line_error(_sample(tmp_path / "nowhere"), "not found")
 
 
 @pytest.mark.slow
@@ -78,13 +67,13 @@ def test_run_dir_without_checkpoints_exits_2(zero3_run, tmp_path):
     run = tmp_path / "fresh"
     run.mkdir()
     shutil.copy(zero3_run.run_dir / "config.yaml", run / "config.yaml")
-    _assert_one_line_error(_sample(run), "no valid checkpoint")
+    assert_one_line_error(_sample(run), "no valid checkpoint")
 
 
 def test_run_dir_without_config_exits_2(tmp_path):
-    _assert_one_line_error(_sample(tmp_path), "config.yaml")
+    assert_one_line_error(_sample(tmp_path), "config.yaml")
 
 
 @pytest.mark.slow
 def test_unknown_step_exits_2_naming_the_steps_there(zero3_run):
-    _assert_one_line_error(_sample(zero3_run.run_dir, "--step", "3"), "steps: 10")
+    assert_one_line_error(_sample(zero3_run.run_dir, "--step", "3"), "steps: 10")
