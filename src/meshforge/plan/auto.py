@@ -5,9 +5,10 @@ asks the planner (`search.best_layout`) for the fastest layout of this machine's
 world size among those the trainer can run: every tp x pp x dp split of the world
 that `ParallelDims` accepts for the model (pp needs an untied output head), ZeRO
 stage 0-3, the 1F1B schedule, and a micro-batch that divides the per-rank batch
-(every divisor is tried, not only powers of two). The activation checkpointing mode stays as configured (the trainer's
-`selective`, every other block recomputed, is searched as `none`, which needs more
-memory, so a layout that fits with it fits with `selective`).
+(every divisor is tried, not only powers of two). The activation checkpointing
+mode stays as configured (the trainer's `selective`, every other block recomputed,
+is searched as `none`, which needs more memory, so a layout that fits with it fits
+with `selective`).
 
 Which machine the planner assumes:
 

@@ -40,7 +40,9 @@ def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Optimizers:
-    def __init__(self, cfg: JobConfig, parts: ModelParts, dp_mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(
+        self, cfg: JobConfig, parts: ModelParts, dp_mesh: DeviceMesh, device: torch.device
+    ) -> None:
         t = cfg.train
         self.cfg, self.parts = cfg, parts
         adam: dict[str, Any] = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
@@ -52,7 +54,10 @@ class Optimizers:
             groups = _param_groups(m, t.weight_decay)
             if self.zero1:
                 opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-                    groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), **adam
+                    groups,
+                    optimizer_class=torch.optim.AdamW,
+                    process_group=dp_mesh.get_group(),
+                    **adam,
                 )
             else:
                 opt = torch.optim.AdamW(groups, **adam)

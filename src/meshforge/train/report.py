@@ -122,7 +122,7 @@ def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
     if measured is None:
         return None
     try:
-        from meshforge.observe.machine import predict_for_job
+        from meshforge.plan.job import predict_for_job
 
         predicted = predict_for_job(
             trainer.cfg,

@@ -31,14 +31,13 @@ from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.parallel.parallelize import build_gpt, param_digest
 from meshforge.plan.flops import gpt_param_count, training_flops_per_token
 from meshforge.runtime.dist import Runtime
 from meshforge.train import faults
 from meshforge.train.checkpoint import Checkpointer
-from meshforge.train.optim import Optimizers
+from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report
-from meshforge.train.step import StepResult, cross_entropy, make_step
+from meshforge.train.step import StepResult, cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +59,10 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
                 f"vocabulary ({self.splits.vocab_size})"
             )
-        self.mesh = self.dims.build_mesh(self.device)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.parts = build_gpt(cfg, self.dims, self.mesh, self.device)
-        self.optimizers = Optimizers(cfg, self.parts, self.mesh["dp"], self.device)
-        self.strategy = make_step(cfg, self.dims, self.mesh, self.parts, self.optimizers, self.device)
+        self.engine = Engine.build(cfg, rt.rank, rt.world_size, self.device)
+        self.mesh, self.dp_rank = self.engine.mesh, self.engine.dp_rank
+        self.parts, self.optimizers = self.engine.parts, self.engine.optimizers
+        self.strategy = self.engine.strategy
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", self.optimizers, cfg.checkpoint.keep, self._warn
         )
@@ -267,8 +265,7 @@ class Trainer:
             if val_loss is None and t.eval_every:
                 val_loss = self._validate()
         self.progress = None
-        holder = self.dims.coords(rt.rank)["dp"] == 0 and self.dims.coords(rt.rank)["tp"] == 0
-        digest = param_digest(self.parts, holder)
+        digest = self.engine.param_digest()
         per_rank = {
             "state": state_bytes,
             "peak": peak_memory_bytes(self.device),

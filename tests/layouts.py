@@ -1,0 +1,162 @@
+"""The training engine run in-process on the shared gloo pool: one function per rank
+that trains a job for some steps under any layout, optionally saving or resuming a
+checkpoint, and returns the losses and parameter digests. Used by the layout tests
+(no CLI, no run directory: the loop below is the trainer's, minus its I/O)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The tiny GPT of the parity tests: 4 layers, so pp=2 (x2 virtual stages) splits it.
+TINY4: dict[str, Any] = {
+    "model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4, "seq_len": 32,
+              "tie_embeddings": False},
+    "data": {"source": "builtin:python-stdlib"},
+    "precision": {"dtype": "fp32"},
+    "train": {"global_batch": 8, "micro_batch": 2, "lr": 3.0e-3, "warmup": 5, "seed": 7,
+              "steps": 20, "eval_every": 0},
+}  # fmt: skip
+
+_TOKENS: dict[str, Any] = {}
+
+
+def job(parallel: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
+    raw = copy.deepcopy(TINY4)
+    raw["parallel"] = dict(parallel)
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def _tokens(source: str):
+    if source not in _TOKENS:  # the workers live for the session: load the corpus once
+        from meshforge.data.corpus import load_tokens
+
+        _TOKENS[source] = load_tokens(source, 0.05).train
+    return _TOKENS[source]
+
+
+def train_layout(
+    raw: dict[str, Any],
+    steps: int,
+    ckpt_root: str | None = None,
+    save_at: int | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Run on every rank of the pool. Returns (on every rank) the mean loss of each
+    step trained, and on rank 0 the parameter digests after loading / when saving."""
+    from meshforge.config import build_config
+    from meshforge.data.loader import rank_micro_batches
+    from meshforge.train.checkpoint import Checkpointer
+    from meshforge.train.engine import Engine
+
+    cfg = build_config(raw)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.train.seed)
+    engine = Engine.build(cfg, rank, world, torch.device("cpu"))
+    dims, t = engine.dims, cfg.train
+    checkpointer = None
+    if ckpt_root is not None:
+        checkpointer = Checkpointer(Path(ckpt_root), engine.optimizers, keep=3)
+    out: dict[str, Any] = {"losses": {}, "layout": dims.as_dict()}
+    start = 0
+    if resume:
+        assert checkpointer is not None
+        state = checkpointer.resume(rank == 0)
+        assert state is not None, "no checkpoint to resume from"
+        start = int(state["step"])
+        out["digest_loaded"] = engine.param_digest()
+    tokens = _tokens(cfg.data.source)
+    for step in range(start, steps):
+        micro_batches = rank_micro_batches(
+            tokens,
+            seq_len=cfg.model.seq_len,
+            global_batch=t.global_batch,
+            micro_batch=t.micro_batch,
+            dp_rank=engine.dp_rank,
+            dp_size=dims.dp,
+            seed=t.seed,
+            step=step,
+        )
+        result = engine.strategy.step(step, micro_batches, measure=False)
+        loss = engine.strategy.reduce_loss(result.loss_sum / dims.microbatches).item()
+        engine.optimizers.zero_grad()
+        out["losses"][step + 1] = loss
+        if checkpointer is not None and save_at == step + 1:
+            checkpointer.save(step + 1, {"step": step + 1, "world_size": world})
+            out["digest_saved"] = engine.param_digest()
+    out["digest_final"] = engine.param_digest()
+    return out
+
+
+def activation_bytes(raw: dict[str, Any]) -> int:
+    """Bytes autograd saves for backward in one micro-batch's forward under `raw`'s
+    layout (this rank's), measured with SavedActivations."""
+    from meshforge.config import build_config
+    from meshforge.data.loader import rank_micro_batches
+    from meshforge.observe.memory import SavedActivations
+    from meshforge.train.engine import Engine
+    from meshforge.train.step import cross_entropy
+
+    cfg = build_config(raw)
+    torch.manual_seed(cfg.train.seed)
+    engine = Engine.build(cfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    (x, y), *_ = rank_micro_batches(
+        _tokens(cfg.data.source),
+        seq_len=cfg.model.seq_len,
+        global_batch=cfg.train.global_batch,
+        micro_batch=cfg.train.micro_batch,
+        dp_rank=engine.dp_rank,
+        dp_size=engine.dims.dp,
+        seed=cfg.train.seed,
+        step=0,
+    )
+    strategy = engine.strategy
+    with strategy.loss_context():
+        with SavedActivations() as saved:
+            loss = cross_entropy(engine.parts.callables[0](x), y)
+        loss.backward()
+    return saved.bytes
+
+
+def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
+    """Peak growth of this process's resident memory while building the model: the
+    engine's way (meta device, cut, shard, then initialise this rank's slice), or
+    (full_model) a whole GPT built and initialised on the CPU. Sampled every
+    millisecond by a thread."""
+    import threading
+
+    import psutil
+
+    from meshforge.config import build_config
+    from meshforge.models.gpt import GPT
+    from meshforge.parallel.parallelize import build_gpt
+
+    cfg = build_config(raw)
+    proc = psutil.Process()
+    base = proc.memory_info().rss
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if full_model:
+        model = GPT(cfg.model)
+    else:
+        dims = cfg.dims(dist.get_world_size())
+        model = build_gpt(cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
+    peak[0] = max(peak[0], proc.memory_info().rss)
+    done.set()
+    sampler.join()
+    del model
+    return peak[0] - base

