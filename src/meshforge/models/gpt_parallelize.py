@@ -44,11 +44,13 @@ def apply_tensor_parallel(
                 "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
                 # under SP the sum leaves the embeddings already cut along the sequence
                 **(
-                    {"drop": PrepareModuleInput(
-                        input_layouts=(Replicate(),),
-                        desired_input_layouts=(Shard(1),),
-                        use_local_output=True,
-                    )}
+                    {
+                        "drop": PrepareModuleInput(
+                            input_layouts=(Replicate(),),
+                            desired_input_layouts=(Shard(1),),
+                            use_local_output=True,
+                        )
+                    }
                     if sp
                     else {}
                 ),
@@ -57,14 +59,18 @@ def apply_tensor_parallel(
     for block in model.blocks.values():
         plan = {
             "attn": PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(between,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
             ),
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=between),
             "mlp": PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(between,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
             ),
             "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(output_layouts=between),

@@ -148,9 +148,7 @@ class ParallelDims:
         a dimension of size 1 is kept so every layout names the same dimensions."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(
-            device.type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS
-        )
+        return init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 
 
 def check_model_split(cfg: JobConfig) -> None:

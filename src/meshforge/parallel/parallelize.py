@@ -95,7 +95,9 @@ class ModelParts:
                 m.set_requires_gradient_sync(True)
 
 
-def build_gpt(cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> ModelParts:
+def build_gpt(
+    cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
+) -> ModelParts:
     """The GPT of `cfg`, cut, sharded and initialised for this rank of `dims`."""
     t, p = cfg.train, cfg._parallel()
     with torch.device("meta"):
@@ -124,7 +126,9 @@ def build_gpt(cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torc
                 block.compile()
     wrapper = _data_parallel_kind(dims)
     if wrapper in ("fsdp", "replicate"):
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=torch.float32
+        )
         for m in modules:
             _shard(m, wrapper, dims.zero, mesh["dp"], mp if cfg.precision.dtype != "fp32" else None)
     for m in modules:
@@ -158,7 +162,9 @@ def _data_parallel_kind(dims: ParallelDims) -> str:
     return "ddp"
 
 
-def _shard(m: GPT, wrapper: str, zero: int, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None) -> None:
+def _shard(
+    m: GPT, wrapper: str, zero: int, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None
+) -> None:
     kwargs = {} if mp is None else {"mp_policy": mp}
     if wrapper == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
