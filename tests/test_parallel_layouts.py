@@ -106,7 +106,11 @@ def test_zero3_builds_only_its_shard_of_a_model_too_big_to_build_whole(gloo):
 @pytest.mark.slow
 @pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"tp": 2})], ids=["dp", "tp2"])
 def test_full_activation_checkpointing_saves_less_for_backward(gloo, world, parallel):
-    none = gloo.run(world, activation_bytes, job(parallel, train={"activation_checkpointing": "none"}))
-    full = gloo.run(world, activation_bytes, job(parallel, train={"activation_checkpointing": "full"}))
+    none = gloo.run(
+        world, activation_bytes, job(parallel, train={"activation_checkpointing": "none"})
+    )
+    full = gloo.run(
+        world, activation_bytes, job(parallel, train={"activation_checkpointing": "full"})
+    )
     for rank in range(world):
         assert 0 < full[rank] < 0.5 * none[rank], (rank, full[rank], none[rank])

@@ -183,12 +183,12 @@ class HostCosts:
 ASSUMED_HOST_COSTS = HostCosts(3e9, 0.75e9)  # stated: a CPU AdamW on DTensors is ~4x slower
 
 
-def _gpt_units(shape: GPTShape) -> list[float]:
-    """Parameters of each FSDP unit: the blocks, then the root."""
+def _gpt_units(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[float]:
+    """Parameters of each FSDP unit one rank holds: its stage's blocks, then the root."""
     from meshforge.plan.flops import params_per_rank
 
-    rank = params_per_rank(shape, 1, 1)
-    return [rank.block] * shape.n_layers + [rank.root]
+    rank = params_per_rank(shape, tp, pp)
+    return [rank.block] * (shape.n_layers // pp) + [rank.root]
 
 
 def host_step_time(
@@ -200,7 +200,8 @@ def host_step_time(
     logged: bool = True,
 ) -> dict[str, float]:
     """Seconds per step of meshforge's trainer on a CPU host (see above), from a
-    planner prediction (whose compute time it keeps). tp = pp = 1."""
+    planner prediction, whose compute, tensor-parallel, pipeline and bubble times it
+    keeps; the data-parallel and optimizer terms are the host's."""
     from meshforge.plan.comm import collective_time
     from meshforge.plan.timing import OPTIMIZER_BYTES_PER_PARAM
 
@@ -209,7 +210,7 @@ def host_step_time(
     layout, training = prediction.layout, prediction.training
     d, zero = layout.dp, layout.zero
     m = training.microbatches(d)
-    units = _gpt_units(shape)
+    units = _gpt_units(shape, layout.tp, layout.pp)
     params = sum(units)
     bw, lat = cluster.group_busbw(d, layout.dp_stride)
 
@@ -237,9 +238,13 @@ def host_step_time(
     rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
     updated = params / (d if zero >= 1 else 1)
     optimizer = updated * OPTIMIZER_BYTES_PER_PARAM[training.optimizer] / rate
-    step = compute + comm + logging + optimizer
+    model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
+    bubble = prediction.time.bubble_s
+    step = compute + model_parallel + bubble + comm + logging + optimizer
     return {
         "compute_s": compute,
+        "tp_pp_comm_s": model_parallel,
+        "bubble_s": bubble,
         "dp_comm_exposed_s": comm,
         "logging_allreduce_s": logging,
         "optimizer_s": optimizer,
@@ -340,7 +345,7 @@ def choose_layout(
         with contextlib.suppress(ConfigError):  # a split the planner's rules reject
             pred = best_layout(shape, training, cluster, choice)
             step = pred.step_time_s or 0.0
-            if host is not None and tp == 1 and pp == 1:
+            if host is not None:
                 step = host_step_time(pred, shape, cluster, host, bucket_mb)["step_s"]
             candidate = AutoChoice(pred, step)
             if best is None or _better(candidate, best):

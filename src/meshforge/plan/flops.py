@@ -148,6 +148,8 @@ def params_per_rank(shape: GPTShape, tp: int = 1, pp: int = 1) -> RankParams:
     embeddings = shape.vocab_size * h / t + shape.seq_len * h
     if pp == 1:
         root = embeddings + 2 * h
+        if not shape.tie_embeddings:  # the output head of its own
+            root += shape.vocab_size * h / t
         return RankParams(blocks + root, block, root)
     first, last = embeddings, shape.vocab_size * h / t + 2 * h
     root = max(first, last)
