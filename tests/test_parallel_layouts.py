@@ -4,6 +4,7 @@ other: the engine run in-process on the shared gloo pool (tests/layouts.py)."""
 from __future__ import annotations
 
 import pytest
+
 from layouts import activation_bytes, build_peak_bytes, job, train_layout
 
 STEPS = 20
