@@ -84,6 +84,8 @@ def build_report(
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "pipeline": pipeline_summary(trainer, per_rank),
+        # tensor-parallel collectives in one profiled step (rank 0), seconds and share
+        "tp_comm": _tp_comm(rows, _median([r["step_time_s"] for r in steady])),
         "predicted": predicted_for(trainer),
         "resumed_from": resumed_from,
         "last_checkpoint": last_checkpoint,
@@ -91,6 +93,20 @@ def build_report(
         "wall_time_s": wall_s,
     }
     return report
+
+
+def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str, float] | None:
+    """The profiled step's TP collective time, and its share of the median step (the
+    profiled step itself runs slower under the profiler)."""
+    sampled = [r for r in rows if r.get("tp_comm_s") is not None]
+    if not sampled:
+        return None
+    seconds = sampled[0]["tp_comm_s"]
+    return {
+        "step": sampled[0]["step"],
+        "seconds": seconds,
+        "fraction_of_step": seconds / step_time_s if step_time_s else None,
+    }
 
 
 def pipeline_summary(trainer: Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:

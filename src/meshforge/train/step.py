@@ -41,6 +41,7 @@ class StepResult:
     busy_s: float | None = None  # pipeline: this rank's stage compute time in the step
     wall_s: float | None = None  # pipeline: the schedule's wall time
     activation_bytes: int | None = None  # saved for backward by one micro-batch's forward
+    tp_comm_s: float | None = None  # in tensor-parallel collectives (profiled steps only)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

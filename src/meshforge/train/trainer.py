@@ -25,6 +25,7 @@ from meshforge.data.corpus import load_tokens
 from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, shape_of
+from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress
 from meshforge.observe.machine import measure_profile
 from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
@@ -208,6 +209,7 @@ class Trainer:
         last_saved = resumed_from
         ref_compute_s: float | None = None
         state_bytes: dict[str, int] | None = None
+        tp_sampled = False
         started = time.perf_counter()
         progress = TrainingProgress(t.steps, start, rt.is_main, c.name)
         with loader, progress:
@@ -226,7 +228,14 @@ class Trainer:
                         x0.to(self.device), y0.to(self.device)
                     )
                     t0 = time.perf_counter() - data_s
-                result = self.strategy.step(step, batch.micro_batches, logging_step)
+                if logging_step and self.dims.tp_enabled and not tp_sampled and step > start:
+                    # one profiled step per run: the time in tensor-parallel collectives
+                    result, tp_comm_s = measure_tp_comm(
+                        lambda: self.strategy.step(step, batch.micro_batches, True), self.device
+                    )
+                    result.tp_comm_s, tp_sampled = tp_comm_s, True
+                else:
+                    result = self.strategy.step(step, batch.micro_batches, logging_step)
                 if result.busy_s is not None and step > start:
                     pipeline_times.append((result.busy_s, result.wall_s or 0.0))
                 if step + 1 == t.steps:
@@ -327,6 +336,8 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "activation_bytes": result.activation_bytes,
         }
+        if result.tp_comm_s is not None:
+            row["tp_comm_s"] = result.tp_comm_s
         if self.optimizers.scaler is not None:
             row["loss_scale"] = float(self.optimizers.scaler.get_scale())
         return row
