@@ -10,6 +10,7 @@ so the loop does not synchronise more than the parallel layout needs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import sys
@@ -231,7 +232,8 @@ class Trainer:
                 if logging_step and self.dims.tp_enabled and not tp_sampled and step > start:
                     # one profiled step per run: the time in tensor-parallel collectives
                     result, tp_comm_s = measure_tp_comm(
-                        lambda: self.strategy.step(step, batch.micro_batches, True), self.device
+                        functools.partial(self.strategy.step, step, batch.micro_batches, True),
+                        self.device,
                     )
                     result.tp_comm_s, tp_sampled = tp_comm_s, True
                 else:
