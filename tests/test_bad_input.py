@@ -86,11 +86,11 @@ CASES = [
         "interleaved-microbatches",
         {
             "model": {"tie_embeddings": False, "n_layers": 8},
-            "parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2},
-            "train": {"global_batch": 12, "micro_batch": 4},
+            "parallel": {"pp": 4, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2},
+            "train": {"global_batch": 36, "micro_batch": 4},
         },
-        ["--nproc", "2"],
-        ["interleaved_1f1b", "(3)", "parallel.pp=2"],
+        ["--nproc", "4"],
+        ["interleaved_1f1b", "9 micro-batches", "parallel.pp=4"],
     ),
     (
         "sequence-parallel-without-tp",

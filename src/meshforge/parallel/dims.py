@@ -41,9 +41,18 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
 
 
 def min_microbatches(schedule: str, pp: int) -> int:
-    """The fewest micro-batches per step a schedule accepts (torch.distributed.pipelining:
-    1F1B and the V schedules need at least one per stage to fill the pipeline)."""
-    return 1 if schedule == "gpipe" else pp
+    """The fewest micro-batches per step torch.distributed.pipelining accepts: 1F1B
+    needs one per stage; GPipe, interleaved 1F1B and ZB-V run with fewer, with a
+    bigger bubble (ZB-V plans its warm-up for 2p-1 and idles the missing slots)."""
+    return pp if schedule == "1f1b" else 1
+
+
+def interleaved_accepts(microbatches: int, pp: int) -> bool:
+    """torch's rule for interleaved 1F1B (ScheduleInterleaved1F1B): with
+    rounds = max(1, m // pp), m must be a multiple of rounds. Every m < 2pp and every
+    multiple of pp passes; at pp=4, m=9 does not."""
+    rounds = max(1, microbatches // pp)
+    return microbatches % rounds == 0
 
 
 @dataclass(frozen=True)
@@ -92,10 +101,11 @@ class ParallelDims:
                 f"train.global_batch / (dp x train.micro_batch) = {t.global_batch} / "
                 f"({dp} x {t.micro_batch}) = {m}"
             )
-        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and m % p.pp:
+        if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and not interleaved_accepts(m, p.pp):
             raise ConfigError(
-                f"parallel.pp_schedule=interleaved_1f1b needs the micro-batches per step ({m}) "
-                f"to be a multiple of parallel.pp={p.pp}"
+                f"parallel.pp_schedule=interleaved_1f1b cannot run {m} micro-batches per step "
+                f"at parallel.pp={p.pp}: make train.global_batch / (dp x train.micro_batch) "
+                f"a multiple of {p.pp}"
             )
         return cls(
             dp=dp,

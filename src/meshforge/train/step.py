@@ -166,10 +166,6 @@ class PipelinedStep(StepStrategy):
         self.holds_last = d.n_stages - 1 in self.stage_ids
         self.holds_first = 0 in self.stage_ids
 
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # scaled (fp16) inside the schedule: each micro-batch's backward starts here
-            return cross_entropy(logits, targets)
-
         self.pipeline = Pipeline(
             self.parts.callables,
             self.stage_ids,
@@ -178,7 +174,8 @@ class PipelinedStep(StepStrategy):
             self.device,
             d.pp_schedule,
             d.microbatches,
-            loss_fn,
+            cross_entropy,
+            loss_parallel=self.loss_parallel,
         )
 
     @property
@@ -188,22 +185,25 @@ class PipelinedStep(StepStrategy):
     def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
         x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
-        with self.autocast(), self.loss_context():
+        with self.autocast():  # the pipeline enters loss_parallel itself
             loss_sum = self.pipeline.step(x, y)
         if loss_sum is None:
             loss_sum = torch.zeros((), device=self.device)
         return StepResult(
             _plain(loss_sum.detach()),
             None,
-            busy_s=self.pipeline.last_busy_s,
-            wall_s=self.pipeline.last_wall_s,
+            busy_s=self.pipeline.busy_s,
+            wall_s=self.pipeline.wall_s,
         )
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.autocast(), self.loss_context():
-            loss = self.pipeline.eval_loss(x.to(self.device), y.to(self.device))
-        return torch.zeros((), device=self.device) if loss is None else _plain(loss)
+        """Mean loss of a pipeline step's worth of rows (m micro-batches)."""
+        with self.autocast():
+            loss_sum = self.pipeline.evaluate(x.to(self.device), y.to(self.device))
+        if loss_sum is None:
+            return torch.zeros((), device=self.device)
+        return _plain(loss_sum) / self.dims.microbatches
 
 
 def make_step(
