@@ -32,7 +32,9 @@ def test_planner_modules_do_not_import_torch():
     # plan/ and cost/ are pure maths (DESIGN principle 6): checked in a fresh interpreter.
     code = (
         "import sys, meshforge.plan.search, meshforge.plan.request, meshforge.plan.calibration, "
-        "meshforge.cost.run, meshforge.cost.cluster; print('torch' in sys.modules)"
+        "meshforge.plan.job, meshforge.plan.machine_fit, meshforge.plan.auto, "
+        "meshforge.parallel.dims, meshforge.cost.run, meshforge.cost.cluster; "
+        "print('torch' in sys.modules)"
     )
     out = run_python(["-c", code])
     assert out.returncode == 0, out.stderr
