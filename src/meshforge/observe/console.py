@@ -206,6 +206,32 @@ def _loss_text(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "n/a"
 
 
+def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The pipeline bubble (measured beside the formula) and the TP collective time."""
+    rows = []
+    pipe = report.get("pipeline")
+    if isinstance(pipe, dict) and isinstance(pipe.get("bubble_measured"), int | float):
+        rows.append(
+            (
+                "pipeline bubble",
+                f"{format_percent(pipe['bubble_measured'])} measured, "
+                f"{format_percent(pipe.get('bubble_formula'))} by the formula "
+                f"({pipe.get('schedule')}, {pipe.get('microbatches')} micro-batches)",
+            )
+        )
+    tp = report.get("tp_comm")
+    if isinstance(tp, dict) and isinstance(tp.get("seconds"), int | float):
+        share = tp.get("fraction_of_step")
+        rows.append(
+            (
+                "tensor-parallel comm",
+                f"{1e3 * tp['seconds']:.1f} ms in a profiled step"
+                + (f" ({format_percent(share)} of a median step)" if share is not None else ""),
+            )
+        )
+    return rows
+
+
 def print_summary(report: dict[str, Any], console: Console | None = None) -> None:
     """Print the fields of ``report.json`` a user reads first, as one table."""
     console = console if console is not None else Console()
@@ -228,6 +254,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
             f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a",
         ),
         ("time breakdown", _breakdown_text(report.get("time_breakdown"))),
+        *_parallel_rows(report),
         ("model state per rank", _model_state_text(report.get("model_state_bytes"))),
         (
             "peak memory per rank",
