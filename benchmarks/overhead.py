@@ -1,40 +1,75 @@
 """meshforge's training throughput as a ratio of a plain hand-written torch loop.
 
 Same GPT, same data, same layout, 2 gloo workers on this machine; meshforge and the
-plain loop alternate in one run so machine noise hits both alike. Layouts: DDP
-(meshforge zero=0 vs torch DDP) and ZeRO-3 (meshforge zero=3 vs torch FSDP2).
+plain loop alternate in one run so machine noise hits both alike. Layouts:
+
+  DDP     meshforge zero=0                 vs torch DDP
+  ZeRO-3  meshforge zero=3                 vs torch FSDP2
+  TP      meshforge tp=N (dp=1)            vs DTensor parallelize_module + loss_parallel
+  PP      meshforge pp=N, 1f1b, m=4        vs PipelineStage + Schedule1F1B driven by hand
+
+(N = --nproc). Per layout both sides see the same per-rank batch: 8 sequences per
+rank under DDP/ZeRO-3, the whole global batch of 16 as one micro-batch under TP, and
+4 micro-batches of 4 under PP (untied head on both sides, as PP needs).
 Goal: ratio >= 0.97.
 
-    python benchmarks/overhead.py [--reps 3] [--steps 60] [--nproc 2]
+    python benchmarks/overhead.py [--reps 3] [--steps 80] [--nproc 2] [--layouts ddp,fsdp,tp,pp]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from importlib.metadata import version
 from pathlib import Path
 
 import yaml
 
 from meshforge.launch.local import free_port
+from meshforge.plan.auto import cpu_model_name
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = {"ddp": 0, "fsdp": 3}  # plain strategy -> meshforge ZeRO stage
+GLOBAL_BATCH = 16
+PP_MICRO_BATCH = 4  # 4 pipeline micro-batches per step
 
 
-def job(steps: int, zero: int) -> dict:
+def layouts(nproc: int) -> dict[str, dict]:
+    """plain strategy -> the table's name, meshforge's parallel section and micro-batch."""
+    return {
+        "ddp": {"name": "zero=0 vs DDP", "parallel": {"zero": 0}, "micro": 8},
+        "fsdp": {"name": "zero=3 vs FSDP2", "parallel": {"zero": 3}, "micro": 8},
+        "tp": {"name": f"tp={nproc} vs plain TP", "parallel": {"tp": nproc}, "micro": 16},
+        "pp": {
+            "name": f"pp={nproc} vs plain PP",
+            "parallel": {"pp": nproc, "pp_schedule": "1f1b"},
+            "micro": PP_MICRO_BATCH,
+        },
+    }
+
+
+def job(steps: int, layout: dict) -> dict:
+    pp = layout["parallel"].get("pp", 1) > 1
     return {
         "name": "overhead",
-        "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
-        "parallel": {"zero": zero},
+        "model": {
+            "d_model": 128,
+            "n_layers": 4,
+            "n_heads": 4,
+            "seq_len": 128,
+            "tie_embeddings": not pp,
+        },
+        "parallel": layout["parallel"],
         "train": {
             "steps": steps,
-            "global_batch": 16,
-            "micro_batch": 8,
+            "global_batch": GLOBAL_BATCH,
+            "micro_batch": layout["micro"],
             "grad_clip": 0.0,
             "warmup": 5,
             "eval_every": 0,
@@ -44,10 +79,12 @@ def job(steps: int, zero: int) -> dict:
     }
 
 
-def run_meshforge(tmp: Path, steps: int, zero: int, nproc: int, rep: int) -> float:
-    cfg = tmp / f"mf-{zero}-{rep}.yaml"
-    cfg.write_text(yaml.safe_dump(job(steps, zero)))
-    run_dir = tmp / f"run-{zero}-{rep}"
+def run_meshforge(
+    tmp: Path, steps: int, strategy: str, layout: dict, nproc: int, rep: int
+) -> float:
+    cfg = tmp / f"mf-{strategy}-{rep}.yaml"
+    cfg.write_text(yaml.safe_dump(job(steps, layout)))
+    run_dir = tmp / f"run-{strategy}-{rep}"
     subprocess.run(
         [
             sys.executable,
@@ -67,7 +104,7 @@ def run_meshforge(tmp: Path, steps: int, zero: int, nproc: int, rep: int) -> flo
     return json.loads((run_dir / "report.json").read_text())["tokens_per_s"]
 
 
-def run_plain(strategy: str, steps: int, nproc: int) -> float:
+def run_plain(strategy: str, steps: int, nproc: int, layout: dict) -> float:
     out = subprocess.run(
         [
             sys.executable,
@@ -82,6 +119,10 @@ def run_plain(strategy: str, steps: int, nproc: int) -> float:
             strategy,
             "--steps",
             str(steps),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            str(layout["micro"]),
         ],
         check=True,
         capture_output=True,
@@ -94,40 +135,64 @@ def run_plain(strategy: str, steps: int, nproc: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--layouts", default="ddp,fsdp,tp,pp", help="plain strategies to compare")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "overhead.txt")
     args = ap.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {s: [] for s in LAYOUTS}
+    all_layouts = layouts(args.nproc)
+    chosen = {s: all_layouts[s] for s in args.layouts.split(",")}
+    command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]))] + sys.argv[1:])
+    load = os.getloadavg()
+    started = time.perf_counter()
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    results: dict[str, list[tuple[float, float]]] = {s: [] for s in chosen}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for rep in range(args.reps):
-            for strategy, zero in LAYOUTS.items():
+            for strategy, layout in chosen.items():
                 # Alternate which goes first, so warm caches favour neither side.
                 if rep % 2 == 0:
-                    mf = run_meshforge(tmp, args.steps, zero, args.nproc, rep)
-                    plain = run_plain(strategy, args.steps, args.nproc)
+                    mf = run_meshforge(tmp, args.steps, strategy, layout, args.nproc, rep)
+                    plain = run_plain(strategy, args.steps, args.nproc, layout)
                 else:
-                    plain = run_plain(strategy, args.steps, args.nproc)
-                    mf = run_meshforge(tmp, args.steps, zero, args.nproc, rep)
+                    plain = run_plain(strategy, args.steps, args.nproc, layout)
+                    mf = run_meshforge(tmp, args.steps, strategy, layout, args.nproc, rep)
                 results[strategy].append((mf, plain))
-                print(
+                emit(
                     f"rep {rep} {strategy:4s}: meshforge {mf:9.0f} tok/s  plain {plain:9.0f} "
-                    f"tok/s  ratio {mf / plain:.3f}",
-                    flush=True,
+                    f"tok/s  ratio {mf / plain:.3f}"
                 )
-    print()
-    print(f"{'layout':18s} {'meshforge tok/s':>16s} {'plain tok/s':>12s} {'ratio':>7s}")
-    for strategy, zero in LAYOUTS.items():
+    emit("")
+    emit(f"{'layout':20s} {'meshforge tok/s':>16s} {'plain tok/s':>12s} {'ratio':>7s}")
+    for strategy, layout in chosen.items():
         pairs = results[strategy]
         mf = statistics.median(p[0] for p in pairs)
         plain = statistics.median(p[1] for p in pairs)
         ratio = statistics.median(p[0] / p[1] for p in pairs)
-        name = f"zero={zero} vs {'DDP' if strategy == 'ddp' else 'FSDP2'}"
-        print(f"{name:18s} {mf:16.0f} {plain:12.0f} {ratio:7.3f}")
-    print(
-        f"\n{args.nproc} workers, {args.steps} steps, {args.reps} alternating repetitions; "
-        "ratio = median of per-repetition meshforge/plain throughput; goal >= 0.97"
+        emit(f"{layout['name']:20s} {mf:16.0f} {plain:12.0f} {ratio:7.3f}")
+    emit(
+        f"\n{args.nproc} workers, {args.steps} steps, {args.reps} alternating repetitions, "
+        f"{time.perf_counter() - started:.0f} s; ratio = median of per-repetition "
+        "meshforge/plain throughput; goal >= 0.97"
     )
+    header = [
+        f"machine: {cpu_model_name()}, {os.cpu_count()} cores, torch {version('torch')}; "
+        f"load average before/after: {load[0]:.2f}/{os.getloadavg()[0]:.2f} "
+        "(the machine is shared: other jobs' load shows in the measured times)",
+        f"command: {command}",
+        "GPT d_model=128 n_layers=4 heads=4 seq=128, fp32, gloo, global batch "
+        f"{GLOBAL_BATCH}; tp/pp: dp=1; pp: {GLOBAL_BATCH // PP_MICRO_BATCH} micro-batches "
+        f"of {PP_MICRO_BATCH}, untied head",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(header + lines) + "\n")
+    print(f"written to {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

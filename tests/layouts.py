@@ -63,7 +63,11 @@ def train_layout(
     checkpointer = None
     if ckpt_root is not None:
         checkpointer = Checkpointer(Path(ckpt_root), engine.optimizers, keep=3)
-    out: dict[str, Any] = {"losses": {}, "layout": dims.as_dict()}
+    out: dict[str, Any] = {
+        "losses": {},
+        "layout": dims.as_dict(),
+        "microbatches": dims.microbatches,
+    }
     start = 0
     if resume:
         assert checkpointer is not None
@@ -91,6 +95,7 @@ def train_layout(
             checkpointer.save(step + 1, {"step": step + 1, "world_size": world})
             out["digest_saved"] = engine.param_digest()
     out["digest_final"] = engine.param_digest()
+    out["param_names"] = sorted(name for name, _ in engine.parts.named_parameters())
     return out
 
 
