@@ -1,4 +1,6 @@
-"""Data parallelism and ZeRO stages on a DeviceMesh, all from torch.distributed.
+"""Data parallelism and ZeRO stages for a user's own module (the Fabric API), on a
+one-dimensional DeviceMesh, all from torch.distributed. meshforge's own GPT is
+placed by parallel/parallelize.py, which composes the same stages with TP and PP.
 
 zero=0  DDP: parameters, gradients and optimizer states replicated; gradients
         all-reduced in buckets (parallel.bucket_mb) overlapped with backward.
@@ -44,8 +46,8 @@ def build_mesh(device: torch.device, dp: int) -> DeviceMesh:
     return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
 
 
-def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    # Decay matrices only; biases, norms and (by convention) embeddings' 1-D params are not.
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on matrices only; biases and norm weights are not decayed."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     return [
@@ -100,7 +102,7 @@ class DataParallelModel:
                 fully_shard(unit, **kwargs)
             fully_shard(module, **kwargs)
             self.model = module
-        groups = _param_groups(module, opt.weight_decay)
+        groups = param_groups(module, opt.weight_decay)
         adam = {"lr": opt.lr, "betas": opt.betas}
         if opt.fused:
             adam["fused"] = True

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -23,20 +22,11 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshforge.config import JobConfig
+from meshforge.parallel.data_parallel import param_groups
 from meshforge.parallel.parallelize import ModelParts
 from meshforge.train.schedule import lr_factor
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    # Decay matrices only; biases and norm weights are not decayed.
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
 
 
 class Optimizers:
@@ -51,7 +41,7 @@ class Optimizers:
         self.zero1 = cfg._parallel().zero == 1
         self.optimizers: list[torch.optim.Optimizer] = []
         for m in parts.modules:
-            groups = _param_groups(m, t.weight_decay)
+            groups = param_groups(m, t.weight_decay)
             if self.zero1:
                 opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
                     groups,
@@ -158,10 +148,7 @@ class Optimizers:
                 optim_state_dict=self._for(opt, optim_sd),
                 options=_FLAT,
             )
-        self.parts_tie()
-
-    def parts_tie(self) -> None:
-        for m in self.parts.modules:
+        for m in self.parts.modules:  # a loaded state dict may have split a tied pair
             m.tie_weights()
 
     def _for(self, opt: torch.optim.Optimizer, optim_sd: dict[str, Any]) -> dict[str, Any]:
