@@ -11,7 +11,10 @@ larger. Profiling costs time, so the trainer samples one step per run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -35,13 +38,35 @@ def functional_collective_s(events: Any) -> float:
     return total_us / 1e6
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence what native code writes to file descriptor 2 (the profiler backend
+    announces every start and stop there, on every rank's console)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def measure_tp_comm(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """Run `fn` under the profiler; (its result, seconds of TP communication)."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
         result = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
     return result, functional_collective_s(prof.events())

@@ -214,7 +214,7 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             (
                 "pipeline bubble",
-                f"{format_percent(pipe['bubble_measured'])} measured, "
+                f"{format_percent(pipe['bubble_measured'])} measured (mean over ranks), "
                 f"{format_percent(pipe.get('bubble_formula'))} by the formula "
                 f"({pipe.get('schedule')}, {pipe.get('microbatches')} micro-batches)",
             )
@@ -226,7 +226,8 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "tensor-parallel comm",
                 f"{1e3 * tp['seconds']:.1f} ms in a profiled step"
-                + (f" ({format_percent(share)} of a median step)" if share is not None else ""),
+                + (f" ({format_percent(share)} of a median step)" if share is not None else "")
+                + "; inside compute in the time breakdown",
             )
         )
     return rows

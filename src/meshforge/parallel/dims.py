@@ -185,9 +185,10 @@ def check_model_split(cfg: JobConfig) -> None:
             f"model.seq_len={m.seq_len}"
         )
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        holds = "always holds 2 stages per rank" if p.pp_schedule == "zbv" else "holds 1"
         raise ConfigError(
-            f"parallel.virtual_stages={p.virtual_stages} needs "
-            f"parallel.pp_schedule=interleaved_1f1b (got {p.pp_schedule})"
+            f"parallel.virtual_stages={p.virtual_stages} applies to "
+            f"parallel.pp_schedule=interleaved_1f1b only ({p.pp_schedule} {holds})"
         )
     if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and p.virtual_stages < 2:
         raise ConfigError(

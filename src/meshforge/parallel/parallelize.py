@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,12 @@ def _shard(
 
 
 # -- shared model-side operations -------------------------------------------------------
+
+
+# A norm over DTensor gradients on the 2-D ("dp", "tp") mesh reduces a scalar once per
+# mesh dimension; torch warns about that on every rank at every step. Two all-reduces
+# of one float are not worth the noise.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def grad_norm_and_clip(

@@ -313,7 +313,8 @@ class Trainer:
         ref_compute_s: float | None,
     ) -> dict[str, Any]:
         """One row of metrics.jsonl: this rank's (rank 0's) view of a logged step."""
-        comm_s = _exposed_comm_s(result.micro_s, ref_compute_s)
+        # exposed data-parallel communication: none without data-parallel peers
+        comm_s = _exposed_comm_s(result.micro_s, ref_compute_s) if self.dp > 1 else 0.0
         bubble_s = None
         if result.busy_s is not None and result.wall_s is not None:
             bubble_s = max(0.0, result.wall_s - result.busy_s)
