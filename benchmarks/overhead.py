@@ -108,8 +108,8 @@ def run_meshforge(
 
 
 def run_plain(strategy: str, steps: int, nproc: int, layout: dict) -> tuple[float, float]:
-    out = subprocess.run(
-        [
+    for attempt in range(2):
+        cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -126,14 +126,29 @@ def run_plain(strategy: str, steps: int, nproc: int, layout: dict) -> tuple[floa
             str(GLOBAL_BATCH),
             "--micro-batch",
             str(layout["micro"]),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    return res["tokens_per_s"], res["best"]
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        lines = out.stdout.strip().splitlines()
+        if lines and lines[-1].startswith("{"):
+            if out.returncode != 0:
+                # seen with plain torch too: a rank aborts at interpreter exit ("terminate
+                # called without an active exception") after rank 0 printed its result
+                print(
+                    f"plain {strategy}: rc {out.returncode} at exit, after its result",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            res = json.loads(lines[-1])
+            return res["tokens_per_s"], res["best"]
+        # no result: say why, then retry once (e.g. a rendezvous port taken meanwhile)
+        errors = [ln for ln in out.stderr.splitlines() if "Error" in ln] or out.stderr.splitlines()
+        print(
+            f"plain {strategy} failed (attempt {attempt + 1}, rc {out.returncode}): "
+            + " | ".join(errors[-3:]),
+            file=sys.stderr,
+            flush=True,
+        )
+    raise RuntimeError(f"plain {strategy} failed twice")
 
 
 def main() -> None:

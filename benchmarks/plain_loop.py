@@ -5,7 +5,8 @@ benchmark sets meshforge's grad_clip to 0 too), AdamW. Strategies, each written
 directly on torch's own APIs:
 
   ddp   torch DDP, each rank its share of the global batch
-  fsdp  FSDP2 (fully_shard per block, then the root)
+  fsdp  FSDP2 (fully_shard per block, then the root), torch's defaults: the root
+        is not resharded after forward (meshforge zero=3 reshards it too)
   tp    tensor parallel over all ranks: DTensor parallelize_module with
         ColwiseParallel/RowwiseParallel (meshforge.models.gpt_parallelize's plan,
         the same torch calls), vocabulary-sharded logits into the cross-entropy

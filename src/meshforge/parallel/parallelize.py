@@ -174,7 +174,10 @@ def _shard(
         return
     for block in m.blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
-    fully_shard(m, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
+    # The root (embeddings, final norm, head) keeps torch's default: not resharded after
+    # forward, since backward starts with the head; resharding it would add an
+    # all-gather that nothing can hide. ZeRO-2 keeps every unit gathered.
+    fully_shard(m, mesh=dp_mesh, reshard_after_forward=None if zero == 3 else False, **kwargs)
 
 
 # -- shared model-side operations -------------------------------------------------------
