@@ -143,6 +143,13 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     from meshforge.parallel.parallelize import build_gpt
 
     cfg = build_config(raw)
+    # warm up on a tiny model: the first build imports modules and makes groups, whose
+    # memory is not the model's
+    tiny = build_config({**raw, "model": {**raw["model"], "d_model": 32, "n_layers": 2,
+                                          "n_heads": 2}})  # fmt: skip
+    dims = tiny.dims(dist.get_world_size())
+    build_gpt(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
+    GPT(tiny.model)
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = [base]
