@@ -166,12 +166,7 @@ def check_model_split(cfg: JobConfig) -> None:
     m, p = cfg.model, cfg._parallel()
     if m.n_heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
-    hidden = m.mlp_ratio * m.d_model
-    if hidden % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} does not divide the MLP width "
-            f"model.mlp_ratio x model.d_model = {hidden}"
-        )
+    # tp | n_heads | d_model, so tp also divides d_model and the MLP width
     if m.vocab_size % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size} "
