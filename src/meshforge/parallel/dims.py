@@ -137,7 +137,8 @@ class ParallelDims:
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
-        out["sequence_parallel"] = self.sequence_parallel
+        if self.tp_enabled:
+            out["sequence_parallel"] = self.sequence_parallel
         if self.pp_enabled:
             out["pp_schedule"] = self.pp_schedule
             out["virtual_stages"] = stages_per_rank(self.pp_schedule, self.virtual_stages)
