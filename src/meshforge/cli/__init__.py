@@ -22,6 +22,7 @@ from meshforge.cli import data as _data  # noqa: E402,F401
 from meshforge.cli import plan as _plan  # noqa: E402,F401
 from meshforge.cli import sample as _sample  # noqa: E402,F401
 from meshforge.cli import scale as _scale  # noqa: E402,F401
+from meshforge.cli import submit as _submit  # noqa: E402,F401
 from meshforge.cli import train as _train  # noqa: E402,F401
 
 

@@ -1,13 +1,20 @@
-"""`meshforge train`: validate everything cheap before a worker starts, then launch."""
+"""Everything a launcher does before a worker starts: read the job, decide what can be
+decided once, validate it, and lay out the run directory.
+
+Every launcher goes through `prepare_job`: `meshforge train` (the elastic agent on
+each node), `meshforge submit mpi` and `meshforge submit slurm`."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import check_source
-from meshforge.launch.local import NodeSpec
+from meshforge.errors import ConfigError
 from meshforge.plan.auto import resolve_parallel_auto
 
 
@@ -17,39 +24,90 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     check_source(cfg.data.source)
 
 
-def launch_training(
+def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
+    """The layout must fit at least one world size the job can start with (an elastic
+    job is checked again by the workers once the world is known)."""
+    cfg.check_trainable()
+    check_source(cfg.data.source)
+    if cfg.parallel == "auto":
+        return
+    first: ConfigError | None = None
+    for world in worlds:
+        try:
+            cfg.dims(world)
+            return
+        except ConfigError as exc:
+            first = first or exc
+    assert first is not None
+    raise first
+
+
+@dataclass
+class PreparedJob:
+    cfg: JobConfig
+    run_dir: Path
+    config_file: Path  # the file the workers read
+    world: int | None  # None while elastic (min < max nodes)
+    auto_line: str | None = None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def prepare_job(
     config_path: Path,
     overrides: list[str],
-    nproc: int,
-    node: NodeSpec,
-    run_dir: Path | None,
-) -> int:
+    *,
+    nproc_per_node: int,
+    min_nodes: int = 1,
+    max_nodes: int = 1,
+    run_dir: Path | None = None,
+    config_file: Path | None = None,
+) -> PreparedJob:
+    """Load, resolve and validate the job; create the run directory; write the config the
+    workers read.
+
+    With a fixed world size (one node, or mpirun's -np) `parallel: auto` is resolved
+    here. Across nodes it is left for global rank 0 to resolve once the world is known;
+    rank 0 then shares its config with every rank (train/worker.py), so two nodes can
+    never train different layouts. `config_file` defaults to RUN_DIR/config.yaml."""
     cfg = load_config(config_path, overrides)
-    world = nproc * node.nnodes
-    cfg, auto_line = resolve_parallel_auto(cfg, world, nproc, node.nnodes)
-    if auto_line:
-        print(auto_line, flush=True)
-    validate_job(cfg, world)
+    worlds = [n * nproc_per_node for n in range(max_nodes, min_nodes - 1, -1)]
+    world = worlds[0] if min_nodes == max_nodes else None
+    auto_line = None
+    if max_nodes == 1:
+        cfg, auto_line = resolve_parallel_auto(cfg, nproc_per_node, nproc_per_node, 1)
+    if world is not None and cfg.parallel != "auto":
+        validate_job(cfg, world)
+    else:
+        validate_for_worlds(cfg, worlds)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    resolved = run_dir / "config.yaml"
-    save_config(cfg, resolved)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
+    target = Path(config_file) if config_file is not None else run_dir / "config.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, target)
+    return PreparedJob(cfg, run_dir, target, world, auto_line)
+
+
+def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
     dims = cfg.dims(world)
     pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
-    print(
+    return (
         f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
         f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches} "
-        f"dtype={cfg.precision.dtype} -> {run_dir}",
-        flush=True,
+        f"dtype={cfg.precision.dtype} -> {run_dir}"
     )
-    from meshforge.launch.local import run_workers  # imports torch: only once input is valid
 
-    diagnosis = run_workers(
-        ["worker", str(resolved), "--run-dir", str(run_dir)], nproc, node, run_dir
-    )
-    if diagnosis is None:
-        return 0
+
+def report_failure(run_dir: Path, diagnosis: dict) -> int:
+    """Write the failure report and print the one line naming the rank that failed."""
     from meshforge.train.report import write_failure_report
 
     first = diagnosis["first_failure"]

@@ -1,0 +1,5 @@
+"""`meshforge submit mpi` (being written; see issue 7)."""
+
+from __future__ import annotations
+
+from meshforge.cli.submit import submit_app  # noqa: F401
