@@ -68,8 +68,7 @@ def distributed(
     env.export()
     if threads is None and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between the workers of this node instead of oversubscribing.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = max(1, (os.cpu_count() or 1) // max(1, local_world))
+        threads = max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
     if threads is not None:
         torch.set_num_threads(threads)
     dev = choose_device(device, env.local_rank)

@@ -22,6 +22,7 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str  # torchrun | mpi | slurm | single
+    local_world_size: int = 1  # workers on this node: they share its cores
 
     def export(self, environ: dict[str, str] | None = None) -> None:
         """Write the torch.distributed env:// variables so init_process_group can read them."""
@@ -53,6 +54,14 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
 
 
+def _local_world_size(env: Mapping[str, str], *keys: str) -> int:
+    """The first of LOCAL_WORLD_SIZE and the launcher's own `keys` that is set, else 1."""
+    for key in ("LOCAL_WORLD_SIZE", *keys):
+        if key in env:
+            return _int(env, key)
+    return 1
+
+
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
@@ -64,6 +73,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=port,
             launcher="torchrun",
+            local_world_size=_local_world_size(env),
         )
     if "OMPI_COMM_WORLD_RANK" in env:
         return DistEnv(
@@ -74,6 +84,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=port,
             launcher="mpi",
+            local_world_size=_local_world_size(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         master = env.get("MASTER_ADDR")
@@ -87,5 +98,6 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_addr=master,
             master_port=port,
             launcher="slurm",
+            local_world_size=_local_world_size(env, "SLURM_NTASKS_PER_NODE"),
         )
     return DistEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
