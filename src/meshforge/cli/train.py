@@ -1,4 +1,8 @@
-"""`meshforge train` (launch N local workers) and `meshforge worker` (one process)."""
+"""`meshforge train` (the elastic agent on this node) and `meshforge worker` (one process).
+
+`train` takes torchrun's launch flags exactly as torchrun does (launch/torchrun.py
+builds its parser from torch's own), so the command line is parsed by argparse rather
+than by typer: `meshforge train --help` lists them all."""
 
 from __future__ import annotations
 
@@ -11,43 +15,22 @@ import typer
 from meshforge.cli.app import app
 
 
-@app.command("train")
-def train(
-    config: Annotated[Path, typer.Argument(help="Job config (YAML).")],
-    nproc: Annotated[
-        int, typer.Option("--nproc", min=1, help="Worker processes on this node.")
-    ] = 1,
-    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
-    overrides: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config key: KEY.PATH=VALUE.")
-    ] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1)] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
-    master_addr: Annotated[str | None, typer.Option("--master-addr")] = None,
-    master_port: Annotated[int | None, typer.Option("--master-port", min=1, max=65535)] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint")] = None,
-    rdzv_backend: Annotated[str | None, typer.Option("--rdzv-backend")] = None,
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id")] = None,
-    local_addr: Annotated[str | None, typer.Option("--local-addr")] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0)] = 0,
-) -> None:
-    """Train a job with N worker processes on this node (multi-node: torchrun's flags)."""
-    from meshforge.launch.local import NodeSpec
-    from meshforge.launch.train import launch_training
+@app.command(
+    "train",
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": True,
+        "help_option_names": [],
+    },
+    add_help_option=False,
+)
+def train(ctx: typer.Context) -> None:
+    """Train a job on this node: CONFIG [--run-dir D] [--set K=V] [torchrun's flags]
+    (--nproc-per-node N, --nnodes MIN:MAX, --rdzv-*, --standalone, --max-restarts,
+    --iface NAME, ...). See `meshforge train --help`."""
+    from meshforge.launch.local import launch_training
 
-    node = NodeSpec(
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_backend=rdzv_backend,
-        rdzv_id=rdzv_id,
-        local_addr=local_addr,
-        max_restarts=max_restarts,
-    )
-    rc = launch_training(config, overrides or [], nproc, node, run_dir)
-    raise typer.Exit(rc)
+    raise typer.Exit(launch_training(list(ctx.args)))
 
 
 @app.command("worker")

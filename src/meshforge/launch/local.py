@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -141,7 +142,13 @@ def clear_recorded_failures(health: Path) -> None:
 
 
 def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Path) -> dict | None:
-    """Run `python -m meshforge WORKER_ARGS` on nproc local processes.
+    """Run `python -m meshforge WORKER_ARGS` on nproc local processes (NodeSpec form)."""
+    config = launch_config(nproc, node, run_dir / "logs" / "elastic")
+    return run_elastic(config, sys.executable, ["-u", "-m", "meshforge", *worker_args], run_dir)
+
+
+def run_elastic(config: LaunchConfig, cmd: str, cmd_args: list[str], run_dir: Path) -> dict | None:
+    """Run CMD CMD_ARGS under the elastic agent with CONFIG.
 
     Returns None on success, or a failure description (also written to
     RUN_DIR/health/diagnosis.json)."""
@@ -150,10 +157,9 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     clear_recorded_failures(run_dir / "health")
-    config = launch_config(nproc, node, run_dir / "logs" / "elastic")
-    launch = elastic_launch(config, sys.executable)
+    launch = elastic_launch(config, cmd)
     try:
-        launch("-u", "-m", "meshforge", *worker_args)
+        launch(*cmd_args)
         return None
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
@@ -193,3 +199,54 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
         health.mkdir(parents=True, exist_ok=True)
         (health / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
         return diagnosis
+
+
+def launch_training(argv: list[str]) -> int:
+    """`meshforge train ARGV`: parse torchrun's flags, prepare the job, run the agent."""
+    from meshforge.config import load_config
+    from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
+    from meshforge.launch.train import layout_line, prepare_job, report_failure
+
+    launch = parse_launch_args(argv)
+    a = launch.args
+    cfg = load_config(a.config, a.overrides)
+    check_gpu_count(launch.nproc_per_node, cfg.runtime.device, a.oversubscribe)
+    multi = launch.max_nodes > 1
+    # Across nodes the workers agree on one config (global rank 0's) and write
+    # config.yaml themselves; each node's agent keeps its own copy under .launch/.
+    config_name = (
+        f".launch/job-{socket.gethostname()}-{os.getpid()}.yaml" if multi else "config.yaml"
+    )
+    job = prepare_job(
+        a.config,
+        a.overrides,
+        nproc_per_node=launch.nproc_per_node,
+        min_nodes=launch.min_nodes,
+        max_nodes=launch.max_nodes,
+        run_dir=a.run_dir,
+        config_name=config_name,
+    )
+    for line in [job.auto_line, *(f"meshforge: {n}" for n in launch.notes)]:
+        if line:
+            print(line, flush=True)
+    if job.world is not None and job.cfg.parallel != "auto":
+        print(layout_line(job.cfg, job.world, job.run_dir), flush=True)
+    else:
+        nodes = (
+            f"{launch.min_nodes}..{launch.max_nodes}"
+            if launch.min_nodes != launch.max_nodes
+            else launch.max_nodes
+        )
+        what = "layout (parallel: auto)" if job.cfg.parallel == "auto" else "layout"
+        print(
+            f"meshforge: training {job.cfg.name!r} on {nodes} node(s) x "
+            f"{launch.nproc_per_node} worker(s); global rank 0 fixes the {what} "
+            f"once every node has joined -> {job.run_dir}",
+            flush=True,
+        )
+    worker_args = ["worker", str(job.config_file), "--run-dir", str(job.run_dir)]
+    config, cmd, cmd_args = launch_config(launch, worker_args, job.run_dir / "logs" / "elastic")
+    diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir)
+    if diagnosis is None:
+        return 0
+    return report_failure(job.run_dir, diagnosis)

@@ -65,6 +65,7 @@ def prepare_job(
     min_nodes: int = 1,
     max_nodes: int = 1,
     run_dir: Path | None = None,
+    config_name: str = "config.yaml",
     config_file: Path | None = None,
 ) -> PreparedJob:
     """Load, resolve and validate the job; create the run directory; write the config the
@@ -73,7 +74,8 @@ def prepare_job(
     With a fixed world size (one node, or mpirun's -np) `parallel: auto` is resolved
     here. Across nodes it is left for global rank 0 to resolve once the world is known;
     rank 0 then shares its config with every rank (train/worker.py), so two nodes can
-    never train different layouts. `config_file` defaults to RUN_DIR/config.yaml."""
+    never train different layouts. The workers' config is written to `config_file`, else
+    to RUN_DIR/`config_name`."""
     cfg = load_config(config_path, overrides)
     worlds = [n * nproc_per_node for n in range(max_nodes, min_nodes - 1, -1)]
     world = worlds[0] if min_nodes == max_nodes else None
@@ -90,7 +92,7 @@ def prepare_job(
         (run_dir / "logs").mkdir(exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
-    target = Path(config_file) if config_file is not None else run_dir / "config.yaml"
+    target = Path(config_file) if config_file is not None else run_dir / config_name
     target.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, target)
     return PreparedJob(cfg, run_dir, target, world, auto_line)
