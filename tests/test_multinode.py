@@ -66,60 +66,105 @@ def two_hosts():
         subprocess.run(["ip", "netns", "del", h], capture_output=True, timeout=30)
 
 
-def test_two_node_run_over_c10d_rendezvous(job_factory, two_hosts):
-    job = job_factory({"train": {"steps": 6}, "parallel": {"zero": 2}})
-    (host0, addr0), _ = two_hosts
-    env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}
-    env["GLOO_SOCKET_IFNAME"] = "ci0"
-    procs = []
-    for rank, (host, addr) in enumerate(two_hosts):
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            host,
-            sys.executable,
-            "-m",
-            "meshforge",
-            "train",
-            str(job.config_path),
-            "--nproc",
-            "1",
-            "--run-dir",
-            str(job.run_dir),
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{addr0}:29533",
-            "--rdzv-id",
-            "mf-test",
-            "--local-addr",
-            addr,
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+def _run_nodes(commands: list[tuple[list[str], dict[str, str]]]) -> list[tuple[str, str]]:
+    """Start one command per host at once; wait (bounded) for all; each must succeed."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+        for cmd, env in commands
+    ]
     outputs = []
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             outputs.append(p.communicate(timeout=240))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
     for p, (out, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    return outputs
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "MESHFORGE_FAULT" and not k.startswith(("PET_", "GLOO_", "NCCL_"))
+    }
+    env.update(extra)
+    return env
+
+
+def _assert_same_curve(job, reference) -> None:
+    mine, ref = job.losses(), reference.losses()
+    assert mine.keys() == ref.keys()
+    for step, loss in ref.items():
+        assert abs(mine[step] - loss) <= 1e-4 * abs(loss), (step, mine[step], loss)
+
+
+def _assert_two_hosts(job, addrs) -> None:
     report = job.report
     assert report["world_size"] == 2
-    assert report["layout"]["dp"] == 2
     assert report["status"] == "completed"
+    assert report["nodes"] == 2
+    assert sorted(h["addr"] for h in report["hosts"]) == sorted(addrs)
     assert {p.name for p in (job.run_dir / "logs").glob("rank-*.log")} == {
         "rank-0.log",
         "rank-1.log",
     }
+    # each rank's own step lines are in its own log
+    for rank in (0, 1):
+        text = (job.run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "step 6/6" in text, text[-2000:]
+    # the run directory holds the job config whichever launcher started it
+    assert (job.run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("zero", [0, 3], ids=["ddp", "zero3"])
+def test_two_hosts_train_like_one(job_factory, two_hosts, zero):
+    """--nnodes 2 on two namespace hosts, found by --iface alone: the loss curve equals
+    the same job on one host within 1e-4 relative."""
+    overrides = {"train": {"steps": 6}, "parallel": {"zero": zero}}
+    reference = job_factory(overrides, name="one-host")
+    reference.train(2)
+    job = job_factory(overrides, name="two-hosts")
+    (_, addr0), _ = two_hosts
+    port = 29500 + os.getpid() % 400
+    commands = [
+        ["ip", "netns", "exec", host, sys.executable, "-m", "meshforge", "train",
+         str(job.config_path), "--run-dir", str(job.run_dir), "--nnodes", "2",
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+         f"{addr0}:{port}", "--rdzv-id", "mf-test", "--iface", "ci0"]
+        for host, _ in two_hosts
+    ]  # fmt: skip
+    outputs = _run_nodes([(cmd, _clean_env()) for cmd in commands])
+    assert "serves the rendezvous store" in outputs[0][0]
+    _assert_two_hosts(job, [a for _, a in two_hosts])
+    _assert_same_curve(job, reference)
+
+
+def test_pet_variables_alone_start_a_run(job_factory, two_hosts):
+    """What the Kubeflow operator sets (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+    PET_MASTER_ADDR, PET_MASTER_PORT) starts a correct two-node run with no launch flags."""
+    overrides = {"train": {"steps": 6}, "parallel": {"zero": 2}}
+    job = job_factory(overrides, name="pet")
+    (_, addr0), _ = two_hosts
+    port = str(29100 + os.getpid() % 300)
+    procs = []
+    for node_rank, (host, _) in enumerate(two_hosts):
+        env = _clean_env(
+            PET_NNODES="2",
+            PET_NPROC_PER_NODE="1",
+            PET_NODE_RANK=str(node_rank),
+            PET_MASTER_ADDR=addr0,
+            PET_MASTER_PORT=port,
+            GLOO_SOCKET_IFNAME="ci0",
+        )
+        cmd = ["ip", "netns", "exec", host, sys.executable, "-m", "meshforge", "train",
+               str(job.config_path), "--run-dir", str(job.run_dir)]  # fmt: skip
+        procs.append((cmd, env))
+    _run_nodes(procs)
+    _assert_two_hosts(job, [a for _, a in two_hosts])

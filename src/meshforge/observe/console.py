@@ -60,7 +60,7 @@ def _num(metrics: dict[str, Any], key: str) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _status_text(metrics: dict[str, Any], eta_s: float | None) -> str:
+def status_text(metrics: dict[str, Any], eta_s: float | None) -> str:
     parts = []
     loss, lr, grad_norm = _num(metrics, "loss"), _num(metrics, "lr"), _num(metrics, "grad_norm")
     parts.append(f"loss {loss:.4f}" if loss is not None else "loss n/a")
@@ -146,7 +146,7 @@ class TrainingProgress:
         """Show ``step`` (steps completed so far) and the latest metrics."""
         if not self.enabled:
             return
-        status = _status_text(metrics, self._eta_s(step))
+        status = status_text(metrics, self._eta_s(step))
         if self._progress is not None:
             self._progress.update(self._task_id, completed=step, status=status)
         else:

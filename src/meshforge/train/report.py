@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshforge.observe.metrics import read_jsonl
 from meshforge.observe.peak import PeakFlops
+from meshforge.runtime.agree import count_nodes
 
 if TYPE_CHECKING:
     from meshforge.train.trainer import Trainer
@@ -62,6 +63,8 @@ def build_report(
         "name": cfg.name,
         "steps": cfg.train.steps,
         "world_size": trainer.rt.world_size,
+        "nodes": count_nodes([r.get("host") for r in per_rank]),
+        "hosts": [r.get("host") for r in per_rank],
         "device": str(trainer.device),
         "backend": trainer.rt.backend,
         "layout": trainer.layout(),

@@ -27,13 +27,14 @@ from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, shape_of
 from meshforge.observe.comm_time import measure_tp_comm
-from meshforge.observe.console import TrainingProgress
+from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.machine import measure_profile
 from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.flops import gpt_param_count, training_flops_per_token
+from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.dist import Runtime
 from meshforge.train import faults
 from meshforge.train.checkpoint import Checkpointer
@@ -262,6 +263,7 @@ class Trainer:
                     if sink is not None:
                         sink.write(row)
                     progress.update(step + 1, row)
+                    log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
 
                 done = step + 1
                 every = c.checkpoint.every
@@ -278,6 +280,7 @@ class Trainer:
         self.progress = None
         digest = self.engine.param_digest()
         per_rank = {
+            "host": host_of_rank(),
             "state": state_bytes,
             "peak": peak_memory_bytes(self.device),
             "pipeline": _bubble_of(pipeline_times),

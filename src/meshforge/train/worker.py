@@ -28,11 +28,49 @@ def _setup_logging(run_dir: Path, rank: int) -> Path:
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # The rank's own output (step lines, warnings, tracebacks) also goes to its log, so
+    # a multi-node run can be read afterwards from the run directory alone.
+    sys.stdout = _Tee(sys.stdout, handler)
+    sys.stderr = _Tee(sys.stderr, handler)
     return path
+
+
+class _Tee:
+    """A text stream that writes to the console and to the rank's log file."""
+
+    def __init__(self, stream, handler: logging.FileHandler) -> None:
+        self._stream, self._handler = stream, handler
+
+    def write(self, text: str) -> int:
+        n = self._stream.write(text)
+        log_stream = self._handler.stream
+        if log_stream is not None and text:
+            self._handler.acquire()
+            try:
+                log_stream.write(text)
+                log_stream.flush()
+            except (OSError, ValueError):
+                pass
+            finally:
+                self._handler.release()
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 @record
 def run_worker(config_path: Path, run_dir: Path) -> None:
+    from meshforge.runtime.agree import agree_on_config
     from meshforge.runtime.dist import distributed
     from meshforge.train.trainer import Trainer
 
@@ -46,6 +84,7 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
         r = cfg.runtime
         with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
             log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
+            cfg = agree_on_config(cfg, rt.rank, rt.world_size, rt.env.local_rank, run_dir)
             try:
                 report = Trainer(cfg, run_dir, rt).fit()
             except BaseException as exc:
