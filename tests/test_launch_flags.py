@@ -1,0 +1,204 @@
+"""`meshforge train`'s command line is torchrun's (its parser, its PET_* variables) plus
+--iface and --oversubscribe; one config per job, agreed from global rank 0."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from helpers import TINY_JOB, assert_one_line_error, meshforge
+from meshforge.errors import ConfigError
+from meshforge.launch import netif
+from meshforge.launch.torchrun import (
+    check_gpu_count,
+    launch_config,
+    parse_launch_args,
+)
+
+
+@pytest.fixture
+def clean_launch_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("PET_") or key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            monkeypatch.delenv(key)
+    monkeypatch.delenv("MESHFORGE_IFACE", raising=False)
+    return monkeypatch
+
+
+def test_every_spelling_of_nproc(clean_launch_env):
+    for flags in (["--nproc", "3"], ["--nproc-per-node", "3"], ["--nproc_per_node=3"]):
+        assert parse_launch_args(["job.yaml", *flags]).nproc_per_node == 3
+    assert parse_launch_args(["job.yaml", "--nproc-per-node", "cpu"]).nproc_per_node == (
+        os.cpu_count()
+    )
+    # no accelerator here: auto means one process per core, as torchrun does
+    assert parse_launch_args(["job.yaml", "--nproc-per-node", "auto"]).nproc_per_node >= 1
+
+
+def test_single_node_defaults_follow_torchrun(clean_launch_env):
+    a = parse_launch_args(["job.yaml"]).args
+    assert (a.rdzv_backend, a.rdzv_endpoint) == ("c10d", "localhost:0")
+    standalone = parse_launch_args(["job.yaml", "--standalone"]).args
+    assert standalone.rdzv_backend == "c10d" and standalone.rdzv_id != "none"
+
+
+def test_elastic_range_and_torchrun_options(clean_launch_env, tmp_path):
+    launch = parse_launch_args(
+        ["job.yaml", "--nnodes", "1:4", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "abc", "--max-restarts", "3",
+         "--log-dir", str(tmp_path / "elastic"), "--monitor-interval", "0.5"]
+    )  # fmt: skip
+    assert (launch.min_nodes, launch.max_nodes) == (1, 4)
+    config, cmd, cmd_args = launch_config(launch, ["worker", "x.yaml"], tmp_path / "default")
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 4, 2)
+    assert (config.run_id, config.max_restarts, config.monitor_interval) == ("abc", 3, 0.5)
+    assert config.rdzv_endpoint == "127.0.0.1:29400"
+    assert config.logs_specs.root_log_dir == str(tmp_path / "elastic")
+    assert cmd_args[-4:] == ["-m", "meshforge", "worker", "x.yaml"]
+    assert "OMP_NUM_THREADS" not in os.environ  # meshforge shares cores itself
+
+
+def test_pet_variables_are_read_as_torchrun_reads_them(clean_launch_env, tmp_path):
+    for key, value in {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "4",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "10.1.2.3",
+        "PET_MASTER_PORT": "23456",
+    }.items():
+        clean_launch_env.setenv(key, value)
+    launch = parse_launch_args(["job.yaml"])
+    assert (launch.max_nodes, launch.nproc_per_node) == (2, 4)
+    config, _, _ = launch_config(launch, ["worker"], tmp_path)
+    assert config.rdzv_backend == "static"
+    assert config.rdzv_endpoint == "10.1.2.3:23456"
+    assert config.rdzv_configs["rank"] == 1
+    # a flag beats its PET_ variable
+    assert parse_launch_args(["job.yaml", "--nproc", "1"]).nproc_per_node == 1
+
+
+def test_iface_sets_socket_variables_and_address(clean_launch_env):
+    a = parse_launch_args(["job.yaml", "--iface", "lo"]).args
+    assert a.local_addr == "127.0.0.1"
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    # an explicit --local-addr wins over the interface's address
+    assert (
+        parse_launch_args(["job.yaml", "--iface", "lo", "--local-addr", "h1"]).args.local_addr
+        == "h1"
+    )
+
+
+def test_store_host_found_on_a_secondary_address(clean_launch_env):
+    """torchrun compares the endpoint with the host name only; meshforge also checks the
+    node's own addresses (the cluster network is often a second interface)."""
+    flags = ["job.yaml", "--nnodes", "2", "--rdzv-backend", "c10d"]
+    clean_launch_env.setattr(netif, "endpoint_is_local", lambda host, port: True)
+    here = parse_launch_args([*flags, "--rdzv-endpoint", "10.9.0.1:29400"])
+    assert here.args.rdzv_conf == "is_host=1"
+    clean_launch_env.setattr(netif, "endpoint_is_local", lambda host, port: False)
+    there = parse_launch_args([*flags, "--rdzv-endpoint", "10.9.0.1:29400", "--rdzv-conf",
+                               "read_timeout=30"])  # fmt: skip
+    assert there.args.rdzv_conf == "read_timeout=30,is_host=0"
+    explicit = parse_launch_args([*flags, "--rdzv-endpoint", "10.9.0.1:1", "--rdzv-conf",
+                                  "is_host=1"])  # fmt: skip
+    assert explicit.args.rdzv_conf == "is_host=1"
+
+
+def test_endpoint_is_local_on_loopback():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert netif.endpoint_is_local("127.0.0.1", taken) is False  # someone serves it
+    assert netif.endpoint_is_local("192.0.2.123", 29400) is False  # not an address here
+
+
+def test_more_processes_than_gpus_is_refused_unless_forced():
+    with pytest.raises(ConfigError, match="more than the 2 GPU"):
+        check_gpu_count(4, "auto", oversubscribe=False, gpus=2)
+    check_gpu_count(4, "auto", oversubscribe=True, gpus=2)
+    check_gpu_count(4, "cpu", oversubscribe=False, gpus=2)
+    check_gpu_count(2, "cuda", oversubscribe=False, gpus=2)
+    check_gpu_count(8, "auto", oversubscribe=False, gpus=0)  # a CPU node
+
+
+@pytest.fixture
+def job_file(tmp_path: Path) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(TINY_JOB))
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--nnodes", "3:2"], ["--nnodes 3:2", "minimum"]),
+        (["--nnodes", "0"], ["--nnodes 0"]),
+        (["--nnodes", "two"], ["--nnodes two"]),
+        (["--iface", "nosuch0"], ["--iface nosuch0", "no such network interface"]),
+        (["--nproc-per-node", "gpu"], ["--nproc-per-node gpu", "cuda"]),
+        (["--nproc-per-node", "lots"], ["--nproc-per-node lots"]),
+        (["--standalone", "--nnodes", "2"], ["--standalone"]),
+        (["--nnodes", "1:2"], ["--nnodes 1:2", "rendezvous"]),
+        (["--nnodes", "2", "--node-rank", "5", "--master-port", "29999"], ["--node-rank 5"]),
+        (["--no-such-flag"], ["unrecognized arguments", "--no-such-flag"]),
+        (["--max-restarts", "x"], ["--max-restarts"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_launch_flags_exit_2(job_file, tmp_path, flags, fragments):
+    run_dir = tmp_path / "run"
+    proc = meshforge(["train", str(job_file), "--run-dir", str(run_dir), *flags])
+    assert_one_line_error(proc, *fragments)
+    assert not run_dir.exists()  # nothing written
+
+
+def test_train_help_lists_torchrun_flags():
+    proc = meshforge(["train", "--help"])
+    assert proc.returncode == 0
+    for flag in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--rdzv-conf",
+                 "--standalone", "--max-restarts", "--log-dir", "--local-addr",
+                 "--master-addr", "--master-port", "--iface", "--set", "--run-dir"):  # fmt: skip
+        assert flag in proc.stdout, flag
+
+
+# -- one config per job, decided by global rank 0 -------------------------------------------
+
+
+def _agree(run_dir: str) -> tuple[float, str, bool]:
+    from meshforge.config import build_config
+    from meshforge.runtime.agree import agree_on_config
+
+    rank = dist.get_rank()
+    raw = {**TINY_JOB, "train": {**TINY_JOB["train"], "lr": 0.001 * (rank + 1)}}
+    cfg = agree_on_config(build_config(raw), rank, dist.get_world_size(), 0, Path(run_dir))
+    written = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    return cfg.train.lr, str(written["train"]["lr"]), cfg.parallel == "auto"
+
+
+def test_every_rank_trains_rank_zeros_config(gloo, tmp_path):
+    results = gloo.run(2, _agree, str(tmp_path))
+    assert [r[0] for r in results] == [0.001, 0.001]
+    assert results[0][1] == "0.001"
+
+
+def _agree_auto(run_dir: str) -> dict:
+    from meshforge.config import build_config
+    from meshforge.runtime.agree import agree_on_config
+
+    raw = {**TINY_JOB, "parallel": "auto"}
+    cfg = agree_on_config(build_config(raw), dist.get_rank(), 2, 0, Path(run_dir))
+    return cfg.parallel.model_dump()
+
+
+def test_parallel_auto_is_resolved_once_by_rank_zero(gloo, tmp_path):
+    layouts = gloo.run(2, _agree_auto, str(tmp_path))
+    assert layouts[0] == layouts[1]
+    assert layouts[0]["tp"] * layouts[0]["pp"] * (layouts[0]["dp"] or 1) in (1, 2)
