@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshforge-installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench clean image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+
+# The training image (Dockerfile); tag it for your registry with IMAGE=REGISTRY/meshforge:TAG.
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= meshforge:$(VERSION)
+
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
