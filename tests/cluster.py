@@ -1,0 +1,399 @@
+"""A cluster on one machine, for the tests marked `cluster`: hosts made of network
+namespaces, and a real Slurm cluster whose nodes are those hosts.
+
+    with netns_hosts(2, rate="1gbit") as hosts:        # hosts[0].addr, .name, .iface
+        with slurm_cluster(hosts) as slurm:            # slurm.env has SLURM_CONF
+            slurm.run(["sbatch", ...])                 # a client, in the controller's host
+
+Hosts: one network namespace each, joined on one L2 segment (a veth pair for two
+hosts, a bridge in its own namespace for more), the interface named the same on every
+host (`ci0`), IPv6 off, loopback up, an optional `tbf` rate cap on every host's
+interface. Names and subnet carry this process's pid, so parallel test runs never
+clash. Teardown always runs, also when setup fails halfway or the block raises.
+
+Slurm: munged (its own key and socket), slurmctld in host 0 and one `slurmd -N nK`
+per host, all entered with `nsenter --net` (`ip netns exec` remounts /sys, and slurmd
+then dies on the missing cgroup mount); every path under one temp dir. Node names do
+not resolve: each node's NodeAddr is its host's address. The controller is reachable
+only inside the hosts' segment, so Slurm's clients run inside host 0 (`slurm.run`,
+`slurm.client_argv`). See ../shared/CLUSTER-TESTBED.md for how each piece was found.
+
+Both are context managers that skip the calling test (pytest.skip, with the reason)
+where this machine cannot run them: not root, or the tools missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+IFACE = "ci0"
+_instances = itertools.count()  # several host sets in one process get distinct names
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host: a network namespace with one interface on the shared segment."""
+
+    name: str  # the namespace's name (/run/netns/NAME)
+    addr: str  # IPv4 address on `iface`
+    iface: str
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.name}"
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """`ip netns exec`: for ordinary processes."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def nsenter_argv(self, argv: Sequence[str]) -> list[str]:
+        """`nsenter --net`: only the network namespace changes (mounts and /sys stay),
+        which daemons such as slurmd need."""
+        return ["nsenter", f"--net={self.netns_path}", *argv]
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = 30, check: bool = True, **kwargs
+    ) -> subprocess.CompletedProcess:
+        """Run a command inside this host with a time bound; text output captured."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(self.exec_argv(argv), timeout=timeout, check=check, **kwargs)
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.exec_argv(argv), **kwargs)
+
+
+def _cannot_make_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    for tool in ("ip", "tc", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (iproute2, util-linux)"
+    return None
+
+
+def _sh(*argv: str, timeout: float = 30) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def _add_namespace(name: str, made: list[str]) -> None:
+    # A namespace with our pid in its name can only be left over from a dead process
+    # that had this pid before us.
+    if Path(f"/run/netns/{name}").exists():
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    _sh("ip", "netns", "add", name)
+    made.append(name)
+    # IPv6 off before any interface appears (no stray link-local addresses); a kernel
+    # without IPv6 has no such sysctl, which is just as good.
+    subprocess.run(
+        [
+            "ip", "netns", "exec", name, "sysctl", "-qw",
+            "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
+        ],
+        capture_output=True,
+        timeout=30,
+    )  # fmt: skip
+    _sh("ip", "-n", name, "link", "set", "lo", "up")
+
+
+@contextmanager
+def netns_hosts(
+    n: int, rate: str | None = None, prefix: str = "mf", iface: str = IFACE
+) -> Iterator[list[Host]]:
+    """N hosts on one L2 segment, 10.X.Y.1..N/24 with X.Y unique to this process.
+    `rate` (e.g. "1gbit", "200mbit") caps every host's interface with `tbf`."""
+    if n < 1:
+        raise ValueError("netns_hosts needs at least one host")
+    reason = _cannot_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    pid, k = os.getpid(), next(_instances)
+    tag = f"{prefix}{pid}-{k}"
+    subnet = f"10.{100 + (pid // 250 + k) % 100}.{pid % 250}"
+    hosts = [Host(f"{tag}-h{i}", f"{subnet}.{i + 1}", iface) for i in range(n)]
+    made: list[str] = []
+    try:
+        try:
+            _add_namespace(hosts[0].name, made)
+        except RuntimeError as exc:
+            pytest.skip(f"cannot create network namespaces here: {exc}")
+        for h in hosts[1:]:
+            _add_namespace(h.name, made)
+        if n == 2:  # a veth pair, the same interface name at both ends
+            a, b = hosts
+            _sh("ip", "link", "add", iface, "netns", a.name, "type", "veth",
+                "peer", "name", iface, "netns", b.name)  # fmt: skip
+        elif n > 2:  # a bridge in its own namespace, one veth per host
+            bridge = f"{tag}-br"
+            _add_namespace(bridge, made)
+            _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", bridge, "link", "set", "br0", "up")
+            for i, h in enumerate(hosts):
+                _sh("ip", "link", "add", iface, "netns", h.name, "type", "veth",
+                    "peer", "name", f"p{i}", "netns", bridge)  # fmt: skip
+                _sh("ip", "-n", bridge, "link", "set", f"p{i}", "master", "br0", "up")
+        else:  # one host: a dummy interface, so `iface` exists all the same
+            _sh("ip", "-n", hosts[0].name, "link", "add", iface, "type", "dummy")
+        for h in hosts:
+            _sh("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", iface)
+            _sh("ip", "-n", h.name, "link", "set", iface, "up")
+            if rate:
+                _sh("tc", "-n", h.name, "qdisc", "add", "dev", iface, "root", "tbf",
+                    "rate", rate, "burst", "256kb", "latency", "50ms")  # fmt: skip
+        yield hosts
+    finally:
+        for name in reversed(made):  # deleting a namespace removes its veth ends too
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def namespace_exists(name: str) -> bool:
+    return Path(f"/run/netns/{name}").exists()
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[list[Host]]:
+    """Two namespace hosts joined by a veth pair (`ci0` at both ends)."""
+    with netns_hosts(2) as hosts:
+        yield hosts
+
+
+# --- Slurm ---------------------------------------------------------------------------
+
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
+
+
+@dataclass
+class SlurmCluster:
+    """A running Slurm cluster. Its clients (sbatch, squeue, scontrol, sinfo) need
+    `env` (SLURM_CONF) and must run inside `head`, the controller's host."""
+
+    conf: Path
+    partition: str
+    hosts: list[Host]
+    nodes: list[str]  # Slurm node names, nodes[i] runs in hosts[i]
+    root: Path  # the temp dir holding config, state, spool and logs
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
+
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The caller's environment plus SLURM_CONF, for Slurm's client commands."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def client_argv(self, argv: Sequence[str]) -> list[str]:
+        """argv run inside the controller's host, where the cluster's addresses route."""
+        return self.head.nsenter_argv(argv)
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = 30, check: bool = True, **kwargs
+    ) -> subprocess.CompletedProcess:
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("env", self.env)
+        return subprocess.run(self.client_argv(argv), timeout=timeout, check=check, **kwargs)
+
+    def node_states(self) -> dict[str, str]:
+        proc = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False, timeout=15)
+        if proc.returncode != 0:
+            return {}
+        return dict(line.split(None, 1) for line in proc.stdout.splitlines() if " " in line)
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        """The daemons' log tails, for an assertion message."""
+        parts = []
+        for path in sorted((self.root / "log").glob("*.log")):
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
+        return "\n".join(parts)
+
+
+def _cannot_run_slurm() -> str | None:
+    reason = _cannot_make_namespaces()
+    if reason:
+        return reason
+    missing = [t for t in SLURM_TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (Debian: apt-get install slurm-wlm munge)"
+    return None
+
+
+def _slurm_conf(
+    root: Path, hosts: list[Host], nodes: list[str], partition: str, ports: tuple[int, int]
+) -> str:
+    hostname = socket.gethostname().split(".")[0]  # slurmctld checks it runs on this name
+    cpus = os.cpu_count() or 1
+    lines = [
+        f"ClusterName=mf{os.getpid()}",
+        f"SlurmctldHost={hostname}({hosts[0].addr})",
+        f"SlurmctldPort={ports[0]}",
+        f"SlurmdPort={ports[1]}",  # each slurmd has its own address: one port fits all
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={root}/munge/munge.socket",
+        f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool/%n",
+        f"SlurmctldPidFile={root}/run/slurmctld.pid",
+        f"SlurmdPidFile={root}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={root}/log/slurmctld.log",
+        f"SlurmdLogFile={root}/log/slurmd-%n.log",
+        # No systemd, no cgroups, no accounting daemon on these machines.
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "MpiDefault=none",
+        "SwitchType=switch/none",
+        "PropagateResourceLimits=NONE",
+        # Trust the node lines below (every slurmd sees the same machine) and keep a
+        # node that once went down usable when it registers again.
+        "SlurmdParameters=config_overrides",
+        "ReturnToService=2",
+        "SchedulerType=sched/backfill",
+        "MessageTimeout=10",
+        "SlurmdTimeout=60",
+        "InactiveLimit=0",
+        "KillWait=5",
+        "MinJobAge=300",  # finished jobs stay visible to `scontrol show job`
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+    ]
+    for node, host in zip(nodes, hosts, strict=True):
+        lines.append(
+            f"NodeName={node} NodeHostname={hostname} NodeAddr={host.addr} "
+            f"CPUs={cpus} State=UNKNOWN"
+        )
+    lines.append(
+        f"PartitionName={partition} Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _start_munged(root: Path) -> subprocess.Popen:
+    """munged with its own key and socket: a system munged, if any, is left alone."""
+    mdir = root / "munge"
+    mdir.mkdir(mode=0o755)  # munged wants o+x on every directory above its socket
+    key = mdir / "munge.key"
+    key.write_bytes(secrets.token_bytes(1024))
+    key.chmod(0o600)
+    proc = subprocess.Popen(
+        [
+            "munged", "--foreground", f"--socket={mdir}/munge.socket", f"--key-file={key}",
+            f"--log-file={root}/log/munged.log", f"--pid-file={mdir}/munged.pid",
+            f"--seed-file={mdir}/munged.seed",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _wait_for(lambda: (mdir / "munge.socket").exists(), 15, "munged's socket", proc)
+    return proc
+
+
+def _wait_for(ready, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: the daemon exited ({proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@contextmanager
+def slurm_cluster(
+    hosts: list[Host], partition: str = "ci", ready_timeout_s: float = 60
+) -> Iterator[SlurmCluster]:
+    """A real Slurm cluster over `hosts`: controller in hosts[0], node nK in hosts[K-1].
+    Yields once `sinfo` shows every node idle; always shuts down and cleans up."""
+    reason = _cannot_run_slurm()
+    if reason:
+        pytest.skip(reason)
+    pid = os.getpid()
+    ports = (17000 + 2 * (pid % 1000), 17001 + 2 * (pid % 1000))
+    nodes = [f"n{i + 1}" for i in range(len(hosts))]
+    root = Path(tempfile.mkdtemp(prefix=f"mf-slurm-{pid}-"))
+    root.chmod(0o755)
+    for sub in ("state", "spool", "run", "log"):
+        (root / sub).mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, hosts, nodes, partition, ports))
+    cluster = SlurmCluster(conf, partition, list(hosts), nodes, root)
+    try:
+        cluster._procs["munged"] = _start_munged(root)
+
+        def daemon(name: str, host: Host, argv: list[str]) -> None:
+            with open(root / "log" / f"{name}.out", "wb") as log:
+                cluster._procs[name] = subprocess.Popen(
+                    host.nsenter_argv(argv), env=cluster.env, stdout=log, stderr=log
+                )
+
+        daemon("slurmctld", hosts[0], ["slurmctld", "-D", "-c", "-f", str(conf)])
+        for node, host in zip(nodes, hosts, strict=True):
+            daemon(f"slurmd-{node}", host, ["slurmd", "-D", "-N", node, "-f", str(conf)])
+
+        def all_idle() -> bool:
+            for name, proc in cluster._procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode})")
+            states = cluster.node_states()
+            return len(states) == len(nodes) and all(s == "idle" for s in states.values())
+
+        try:
+            _wait_for(all_idle, ready_timeout_s, "Slurm nodes idle")
+        except RuntimeError as exc:
+            raise RuntimeError(f"Slurm cluster did not start: {exc}\n{cluster.logs()}") from None
+        yield cluster
+    finally:
+        _teardown(cluster)
+
+
+def _teardown(cluster: SlurmCluster) -> None:
+    """`scontrol shutdown` (the controller tells every slurmd), then each daemon we
+    started, by its pid: slurmds, controller, munged last (the others need it to stop)."""
+    procs = cluster._procs
+    try:
+        if "slurmctld" in procs and procs["slurmctld"].poll() is None:
+            try:
+                cluster.run(["scontrol", "shutdown"], check=False, timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        order = [n for n in procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]
+        for name in order:
+            if name in procs:
+                _stop(procs[name])
+    finally:
+        shutil.rmtree(cluster.root, ignore_errors=True)
