@@ -27,10 +27,10 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
 def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
     """The layout must fit at least one world size the job can start with (an elastic
     job is checked again by the workers once the world is known)."""
-    cfg.check_trainable()
     check_source(cfg.data.source)
     if cfg.parallel == "auto":
-        return
+        return  # rank 0 resolves it once the world is known; then it is checked
+    cfg.check_trainable()
     first: ConfigError | None = None
     for world in worlds:
         try:
