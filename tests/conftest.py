@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import two_hosts as two_hosts  # namespace hosts (tests/cluster.py)
 from gloo import GlooPool
 from helpers import Job
 

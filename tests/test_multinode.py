@@ -4,7 +4,6 @@ pass through `meshforge train` to the elastic agent (c10d rendezvous)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,57 +12,6 @@ import pytest
 from helpers import REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-def _can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (`ip`)"
-    return None
-
-
-@pytest.fixture
-def two_hosts():
-    reason = _can_make_namespaces()
-    if reason:
-        pytest.skip(reason)
-    tag = f"mf{os.getpid() % 100000}"
-    hosts = [f"{tag}a", f"{tag}b"]
-    subnet = f"10.77.{os.getpid() % 250}"
-    addrs = [f"{subnet}.1", f"{subnet}.2"]
-
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    try:
-        for h in hosts:
-            ip("netns", "add", h)
-        ip(
-            "link",
-            "add",
-            "ci0",
-            "netns",
-            hosts[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "ci0",
-            "netns",
-            hosts[1],
-        )
-        for h, a in zip(hosts, addrs, strict=True):
-            ip("-n", h, "addr", "add", f"{a}/24", "dev", "ci0")
-            ip("-n", h, "link", "set", "lo", "up")
-            ip("-n", h, "link", "set", "ci0", "up")
-    except subprocess.CalledProcessError as exc:
-        for h in hosts:
-            subprocess.run(["ip", "netns", "del", h], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    yield list(zip(hosts, addrs, strict=True))
-    for h in hosts:
-        subprocess.run(["ip", "netns", "del", h], capture_output=True, timeout=30)
 
 
 def _run_nodes(commands: list[tuple[list[str], dict[str, str]]]) -> list[tuple[str, str]]:
@@ -131,18 +79,18 @@ def test_two_hosts_train_like_one(job_factory, two_hosts, zero):
     reference = job_factory(overrides, name="one-host")
     reference.train(2)
     job = job_factory(overrides, name="two-hosts")
-    (_, addr0), _ = two_hosts
+    addr0 = two_hosts[0].addr
     port = 29500 + os.getpid() % 400
     commands = [
-        ["ip", "netns", "exec", host, sys.executable, "-m", "meshforge", "train",
+        h.exec_argv([sys.executable, "-m", "meshforge", "train",
          str(job.config_path), "--run-dir", str(job.run_dir), "--nnodes", "2",
          "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-         f"{addr0}:{port}", "--rdzv-id", "mf-test", "--iface", "ci0"]
-        for host, _ in two_hosts
+         f"{addr0}:{port}", "--rdzv-id", "mf-test", "--iface", h.iface])
+        for h in two_hosts
     ]  # fmt: skip
     outputs = _run_nodes([(cmd, _clean_env()) for cmd in commands])
     assert "serves the rendezvous store" in outputs[0][0]
-    _assert_two_hosts(job, [a for _, a in two_hosts])
+    _assert_two_hosts(job, [h.addr for h in two_hosts])
     _assert_same_curve(job, reference)
 
 
@@ -151,20 +99,20 @@ def test_pet_variables_alone_start_a_run(job_factory, two_hosts):
     PET_MASTER_ADDR, PET_MASTER_PORT) starts a correct two-node run with no launch flags."""
     overrides = {"train": {"steps": 6}, "parallel": {"zero": 2}}
     job = job_factory(overrides, name="pet")
-    (_, addr0), _ = two_hosts
+    addr0 = two_hosts[0].addr
     port = str(29100 + os.getpid() % 300)
     procs = []
-    for node_rank, (host, _) in enumerate(two_hosts):
+    for node_rank, host in enumerate(two_hosts):
         env = _clean_env(
             PET_NNODES="2",
             PET_NPROC_PER_NODE="1",
             PET_NODE_RANK=str(node_rank),
             PET_MASTER_ADDR=addr0,
             PET_MASTER_PORT=port,
-            GLOO_SOCKET_IFNAME="ci0",
+            GLOO_SOCKET_IFNAME=host.iface,
         )
-        cmd = ["ip", "netns", "exec", host, sys.executable, "-m", "meshforge", "train",
-               str(job.config_path), "--run-dir", str(job.run_dir)]  # fmt: skip
+        cmd = host.exec_argv([sys.executable, "-m", "meshforge", "train",
+               str(job.config_path), "--run-dir", str(job.run_dir)])  # fmt: skip
         procs.append((cmd, env))
     _run_nodes(procs)
-    _assert_two_hosts(job, [a for _, a in two_hosts])
+    _assert_two_hosts(job, [h.addr for h in two_hosts])
