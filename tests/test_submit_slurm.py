@@ -148,6 +148,8 @@ def test_dry_run_requests_gpus_and_one_worker_per_gpu(tmp_path, job_yaml):
     assert "--nnodes 4 \\\n  --nproc-per-node 2" in proc.stdout
     assert "GLOO_SOCKET_IFNAME" not in proc.stdout  # no --iface, no interface pinned
     assert "--iface" not in proc.stdout
+    # no --port: derived from the job id, so two jobs sharing a first node differ
+    assert "port=$((29500 + SLURM_JOB_ID % 10000))" in proc.stdout
 
 
 def test_a_hostile_config_name_becomes_a_plain_job_name(tmp_path):

@@ -44,8 +44,14 @@ def slurm(
         str | None, typer.Option("--iface", help="Network interface the workers talk over.")
     ] = None,
     port: Annotated[
-        int, typer.Option("--port", min=1, max=65535, help="Rendezvous port on the first node.")
-    ] = 29500,
+        int | None,
+        typer.Option(
+            "--port",
+            min=1,
+            max=65535,
+            help="Rendezvous port on the first node [default: 29500 + job id % 10000].",
+        ),
+    ] = None,
     python: Annotated[
         str | None,
         typer.Option("--python", help="Python on the nodes [default: this interpreter]."),

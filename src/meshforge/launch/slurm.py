@@ -69,7 +69,7 @@ class SlurmRequest:
     time: str | None = None
     account: str | None = None
     iface: str | None = None
-    port: int = 29500
+    port: int | None = None  # None: 29500 + SLURM_JOB_ID % 10000, so jobs sharing a node differ
     python: str = sys.executable
 
     def check(self) -> None:
@@ -82,7 +82,7 @@ class SlurmRequest:
             raise ConfigError(f"--gpus-per-node cannot be negative (got {self.gpus_per_node})")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ConfigError(f"--cpus-per-task must be at least 1 (got {self.cpus_per_task})")
-        if not 1 <= self.port <= 65535:
+        if self.port is not None and not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
         for option, value, pattern, what in (
             ("--partition", self.partition, _PARTITION, "partition names (letters, digits, _ . -)"),
@@ -158,7 +158,7 @@ def render_sbatch(req: SlurmRequest, files: SlurmJobFiles, name: str) -> str:
     if req.cpus_per_task is not None:  # since Slurm 22.05 srun does not inherit it
         srun.append(f"--cpus-per-task={req.cpus_per_task}")
     srun += ["--kill-on-bad-exit=1", "--label"]
-    node = ["bash", shlex.quote(str(files.node_script)), '"$head_node"', '"$head_addr"']
+    node = ["bash", shlex.quote(str(files.node_script)), '"$head_node"', '"$head_addr"', '"$port"']
     lines = [
         "#!/usr/bin/env bash",
         *(f"#SBATCH {d}" for d in directives),
@@ -174,8 +174,9 @@ def render_sbatch(req: SlurmRequest, files: SlurmJobFiles, name: str) -> str:
         '  echo "meshforge: Slurm has no NodeAddr for node $head_node" >&2',
         "  exit 1",
         "fi",
+        _port_line(req),
         'echo "meshforge: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST;'
-        f' rendezvous at $head_addr:{req.port}"',
+        ' rendezvous at $head_addr:$port"',
         "",
         "# One task per node: node.sh starts that node's elastic agent.",
         " ".join(srun) + " \\",
@@ -183,6 +184,14 @@ def render_sbatch(req: SlurmRequest, files: SlurmJobFiles, name: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _port_line(req: SlurmRequest) -> str:
+    """The rendezvous port: the one asked for, else one derived from the job id, so
+    two jobs whose first node is the same do not collide."""
+    if req.port is not None:
+        return f"port={req.port}"
+    return "port=$((29500 + SLURM_JOB_ID % 10000))  # --port fixes it"
 
 
 # This node's address as Slurm has it, from `scontrol show node` (one line with -o).
@@ -196,7 +205,7 @@ def render_node_script(req: SlurmRequest, files: SlurmJobFiles) -> str:
         q(req.python), "-m", "meshforge", "train", q(str(files.config)),
         "--run-dir", q(str(files.run_dir)),
         "--nnodes", str(req.nodes), "--nproc-per-node", str(req.nproc_per_node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f'"$head_addr:{req.port}"',
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", '"$head_addr:$port"',
         "--rdzv-id", '"$SLURM_JOB_ID"', "--rdzv-conf", '"is_host=$is_host"',
         "--local-addr", '"$node_addr"',
     ]  # fmt: skip
@@ -209,6 +218,7 @@ def render_node_script(req: SlurmRequest, files: SlurmJobFiles) -> str:
         "set -eu",
         "head_node=$1",
         "head_addr=$2",
+        "port=$3",
         f"node_addr=$({_NODE_ADDR.format(node='$SLURMD_NODENAME')})",
         'if [ -z "$node_addr" ]; then',
         '  echo "meshforge: Slurm has no NodeAddr for node $SLURMD_NODENAME" >&2',
