@@ -202,3 +202,8 @@ def test_parallel_auto_is_resolved_once_by_rank_zero(gloo, tmp_path):
     layouts = gloo.run(2, _agree_auto, str(tmp_path))
     assert layouts[0] == layouts[1]
     assert layouts[0]["tp"] * layouts[0]["pp"] * (layouts[0]["dp"] or 1) in (1, 2)
+
+
+def test_unknown_scheduler_exits_2(job_file):
+    proc = meshforge(["submit", "pbs", str(job_file)])
+    assert_one_line_error(proc, "unknown scheduler 'pbs'", "slurm", "mpi", "k8s")
