@@ -147,6 +147,10 @@ def job_file(tmp_path: Path) -> Path:
         (["--nproc-per-node", "lots"], ["--nproc-per-node lots"]),
         (["--standalone", "--nnodes", "2"], ["--standalone"]),
         (["--nnodes", "1:2"], ["--nnodes 1:2", "rendezvous"]),
+        (  # 8 sequences of 4 per micro-batch fit 1 or 2 data-parallel ranks, not 3
+            ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29999"],
+            ["at 3 ranks", "2..3", "global_batch"],
+        ),
         (["--nnodes", "2", "--node-rank", "5", "--master-port", "29999"], ["--node-rank 5"]),
         (["--no-such-flag"], ["unrecognized arguments", "--no-such-flag"]),
         (["--max-restarts", "x"], ["--max-restarts"]),

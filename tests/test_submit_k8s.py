@@ -103,11 +103,17 @@ def test_configmap_holds_the_job_config_with_overrides(tmp_path):
     assert shipped["train"]["global_batch"] == 128 and shipped["train"]["steps"] == 5
 
 
+def test_an_elastic_range_must_fit_every_size_in_it(tmp_path):
+    """128 sequences split over 16 and 32 ranks, not over 24: refused before a node joins."""
+    proc = submit(tmp_path, "--nodes", "2:4", "--gpus-per-node", "8", "--image", "mf:1")
+    assert_one_line_error(proc, "at 24 ranks", "16..32", "global_batch")
+
+
 def test_elastic_job_has_workers_only_and_a_c10d_elastic_policy(tmp_path):
     proc = submit(
         tmp_path,
         *("--nodes", "2:4", "--gpus-per-node", "8", "--image", "meshforge:0.1.0"),
-        *("--max-restarts", "5"),
+        *("--max-restarts", "5", "--set", "train.global_batch=384"),  # fits 16, 24, 32 ranks
     )
     assert proc.returncode == 0, proc.stderr
     _, job = manifests(tmp_path / "run" / "k8s")

@@ -148,25 +148,15 @@ def job_name(config_name: str, max_nodes: int) -> str:
 
 
 def check_layout(cfg: JobConfig, worlds: list[int]) -> None:
-    """The layout must fit a world size the job can start with. `parallel: auto` is left
-    for global rank 0 to resolve once the world is known. A shard directory in
-    `data.source` names storage inside the pods, so only built-in corpora are checked here."""
+    """The layout must fit every world size the job can run at (launch/train.py,
+    check_worlds). A shard directory in `data.source` names storage inside the pods, so
+    only built-in corpora are checked here."""
     from meshforge.data.corpus import BUILTIN_PREFIX, check_source
+    from meshforge.launch.train import check_worlds
 
     if cfg.data.source.startswith(BUILTIN_PREFIX):
         check_source(cfg.data.source)
-    if cfg.parallel == "auto":
-        return
-    cfg.check_trainable()
-    first: ConfigError | None = None
-    for world in worlds:
-        try:
-            cfg.dims(world)
-            return
-        except ConfigError as exc:
-            first = first or exc
-    assert first is not None
-    raise first
+    check_worlds(cfg, worlds)
 
 
 def make_job(

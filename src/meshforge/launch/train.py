@@ -24,22 +24,28 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     check_source(cfg.data.source)
 
 
-def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
-    """The layout must fit at least one world size the job can start with (an elastic
-    job is checked again by the workers once the world is known)."""
-    check_source(cfg.data.source)
+def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
+    """The layout must fit every world size the job can run at: an elastic job that
+    grows to a size its batch does not divide would fail when the node joins.
+    `parallel: auto` is left for global rank 0, which resolves it for the world it has."""
     if cfg.parallel == "auto":
-        return  # rank 0 resolves it once the world is known; then it is checked
+        return
     cfg.check_trainable()
-    first: ConfigError | None = None
-    for world in worlds:
+    for world in sorted(set(worlds)):
         try:
             cfg.dims(world)
-            return
         except ConfigError as exc:
-            first = first or exc
-    assert first is not None
-    raise first
+            if len(set(worlds)) == 1:
+                raise
+            raise ConfigError(
+                f"at {world} ranks (this elastic job runs at {min(worlds)}..{max(worlds)}): "
+                f"{exc}"
+            ) from None
+
+
+def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
+    check_source(cfg.data.source)
+    check_worlds(cfg, worlds)
 
 
 @dataclass
