@@ -88,7 +88,7 @@ def test_iface_sets_socket_variables_and_address(clean_launch_env):
     assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
     # an explicit --local-addr wins over the interface's address
     assert (
-        parse_launch_args(["job.yaml", "--iface", "lo", "--local-addr", "h1"]).args.local_addr
+        parse_launch_args(["job.yaml", "--iface", "lo", "--local-addr", "localhost"]).args.local_addr
         == "h1"
     )
 
@@ -153,6 +153,10 @@ def job_file(tmp_path: Path) -> Path:
         ),
         (["--nnodes", "2", "--node-rank", "5", "--master-port", "29999"], ["--node-rank 5"]),
         (["--no-such-flag"], ["unrecognized arguments", "--no-such-flag"]),
+        (
+            ["--local-addr", "192.0.2.77"],
+            ["--local-addr 192.0.2.77", "not an address of this host"],
+        ),
         (["--max-restarts", "x"], ["--max-restarts"]),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
@@ -211,3 +215,66 @@ def test_parallel_auto_is_resolved_once_by_rank_zero(gloo, tmp_path):
 def test_unknown_scheduler_exits_2(job_file):
     proc = meshforge(["submit", "pbs", str(job_file)])
     assert_one_line_error(proc, "unknown scheduler 'pbs'", "slurm", "mpi", "k8s")
+
+
+def test_a_host_name_on_loopback_is_warned_about_across_nodes(clean_launch_env):
+    flags = ["job.yaml", "--nnodes", "2", "--rdzv-backend", "c10d"]
+    clean_launch_env.setattr(netif, "hostname_address", lambda: "127.0.1.1")
+    clean_launch_env.setattr(netif, "endpoint_is_local", lambda host, port: False)
+    far = parse_launch_args([*flags, "--rdzv-endpoint", "10.9.0.1:29400"])
+    assert len(far.warnings) == 1 and "--iface" in far.warnings[0]
+    # every node on this host, or an interface named: nothing to warn about
+    assert not parse_launch_args([*flags, "--rdzv-endpoint", "127.0.0.1:29400"]).warnings
+    assert not parse_launch_args(
+        [*flags, "--rdzv-endpoint", "10.9.0.1:29400", "--iface", "lo"]
+    ).warnings
+
+
+def test_nodes_are_counted_by_the_launchers_numbering():
+    from meshforge.runtime.agree import count_nodes
+
+    same_machine = [{"host": "a", "addr": "127.0.0.1", "node": n} for n in (0, 0, 1, 1)]
+    assert count_nodes(same_machine) == 2  # two agents on one machine: two nodes
+    mpi = [{"host": h, "addr": a, "node": None} for h, a in [("a", "10.0.0.1"), ("a", "10.0.0.2")]]
+    assert count_nodes(mpi) == 2  # namespace hosts: one name, two addresses
+    assert count_nodes([{"host": "a", "addr": "10.0.0.1", "node": None}] * 3) == 1
+
+
+def test_ctrl_c_stops_the_workers_in_one_line(tmp_path):
+    """SIGINT to `meshforge train`: the agent stops its workers; one line, exit 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from helpers import REPO
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**TINY_JOB, "train": {**TINY_JOB["train"], "steps": 100000}}))
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshforge", "train", str(job), "--nproc", "2",
+         "--run-dir", str(run_dir)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("meshforge: stopped by SIGINT"), err
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive

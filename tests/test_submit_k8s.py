@@ -332,7 +332,11 @@ def test_make_image_tags_the_build_with_the_package_version():
 
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     dry = subprocess.run(
-        ["make", "--no-print-directory", "-n", "image"], cwd=REPO, capture_output=True, text=True, timeout=60
+        ["make", "--no-print-directory", "-n", "image"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.strip() == f"docker build -t meshforge:{version} ."

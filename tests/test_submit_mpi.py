@@ -195,6 +195,14 @@ def test_zero_ranks_is_refused(tmp_path):
     assert_one_line_error(_submit(Job(tmp_path, SHORT), "-np", "0"), "-np", "at least 1")
 
 
+def test_more_ranks_than_cores_without_a_hostfile_is_refused(tmp_path):
+    """mpirun would refuse it later, in a page of output; nothing is written before."""
+    job = Job(tmp_path, SHORT)
+    proc = _submit(job, "-np", "4096")
+    assert_one_line_error(proc, "-np 4096", "core(s)", "--oversubscribe")
+    assert not job.run_dir.exists()
+
+
 @pytest.mark.parametrize(
     "make, fragments",
     [
@@ -225,7 +233,7 @@ def test_unknown_interface_is_refused(tmp_path):
 
 def test_layout_that_does_not_fit_the_ranks(tmp_path):
     job = Job(tmp_path, {**SHORT, "parallel": {"zero": 0, "tp": 2}})
-    proc = _submit(job, "-np", "3", "--dry-run", "--mpirun", str(_fake_mpirun(tmp_path)))
+    proc = _submit(job, "-np", "3", "--oversubscribe", "--dry-run", "--mpirun", str(_fake_mpirun(tmp_path)))
     assert_one_line_error(proc, "tp")
 
 

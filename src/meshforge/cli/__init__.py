@@ -35,7 +35,8 @@ def _fail_usage(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)
-    except click_exc.NoArgsIsHelpError:
+    except click_exc.NoArgsIsHelpError as exc:
+        print(exc.ctx.get_help())  # `meshforge` or `meshforge submit` alone: their help
         sys.exit(0)
     except click_exc.UsageError as exc:
         _fail_usage(exc.format_message())

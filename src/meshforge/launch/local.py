@@ -229,6 +229,8 @@ def launch_training(argv: list[str]) -> int:
     for line in [job.auto_line, *(f"meshforge: {n}" for n in launch.notes)]:
         if line:
             print(line, flush=True)
+    for warning in launch.warnings:
+        print(f"meshforge: warning: {warning}", file=sys.stderr, flush=True)
     if job.world is not None and job.cfg.parallel != "auto":
         print(layout_line(job.cfg, job.world, job.run_dir), flush=True)
     else:
@@ -246,7 +248,20 @@ def launch_training(argv: list[str]) -> int:
         )
     worker_args = ["worker", str(job.config_file), "--run-dir", str(job.run_dir)]
     config, cmd, cmd_args = launch_config(launch, worker_args, job.run_dir / "logs" / "elastic")
-    diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir)
+    except SignalException as exc:
+        # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers.
+        name = signal.Signals(exc.sigval).name
+        print(
+            f"meshforge: stopped by {name}; the workers were stopped. The same command "
+            "resumes from the last checkpoint in the run directory",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(exc.sigval)
     if diagnosis is None:
         return 0
     return report_failure(job.run_dir, diagnosis)

@@ -18,7 +18,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -110,12 +109,16 @@ def find_mpirun(mpirun: str | None = None) -> str:
 
 
 def check_iface(iface: str) -> None:
-    names = [name for _, name in socket.if_nameindex()]
-    if iface not in names:
-        raise ConfigError(
-            f"--iface {iface}: no such network interface on this host "
-            f"(there are: {', '.join(names) or 'none'})"
-        )
+    from meshforge.launch.netif import interface_address
+
+    interface_address(iface)
+
+
+def local_slots() -> int:
+    """mpirun's slots on this host without a hostfile: its processor cores."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def check_launch(launch: MpiLaunch) -> list[HostfileEntry]:
@@ -130,6 +133,11 @@ def check_launch(launch: MpiLaunch) -> list[HostfileEntry]:
                 f"-np {launch.np} is more than the {slots} slot(s) in hostfile "
                 f"{launch.hostfile}: add slots or pass --oversubscribe"
             )
+    if not hosts and not launch.oversubscribe and launch.np > local_slots():
+        raise ConfigError(
+            f"-np {launch.np} is more than this host's {local_slots()} core(s), mpirun's "
+            "slots without a hostfile: pass --oversubscribe or a --hostfile"
+        )
     if launch.iface is not None:
         check_iface(launch.iface)
     return hosts

@@ -84,3 +84,26 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_own_address(host: str) -> bool | None:
+    """Whether `host` (a name or an address) is an address of this host; None when the
+    name does not resolve."""
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            return False
+    return True
+
+
+def hostname_address() -> str | None:
+    """What this host's name resolves to (what gloo advertises when no interface is set)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None

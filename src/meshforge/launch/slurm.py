@@ -85,7 +85,12 @@ class SlurmRequest:
         if self.port is not None and not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 1..65535 (got {self.port})")
         for option, value, pattern, what in (
-            ("--partition", self.partition, _PARTITION, "partition names (letters, digits, _ . -)"),
+            (
+                "--partition",
+                self.partition,
+                _PARTITION,
+                "a list of partition names (letters, digits, _ . -)",
+            ),
             ("--account", self.account, _ACCOUNT, "an account name (letters, digits, _ . -)"),
             ("--time", self.time, _TIME, "MINUTES, H:M:S, D-H:M:S or UNLIMITED"),
             ("--iface", self.iface, _IFACE, "a network interface name"),

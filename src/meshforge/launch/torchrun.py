@@ -86,6 +86,7 @@ class LaunchArgs:
     max_nodes: int
     nproc_per_node: int
     notes: list[str]  # what meshforge decided for the user, printed at launch
+    warnings: list[str]  # what will probably go wrong, printed at launch (stderr)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -142,6 +143,7 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     """Parse and check the command line; nothing is started and nothing is written."""
     args = build_parser().parse_args(argv)
     notes: list[str] = []
+    warnings: list[str] = []
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     nproc = local_world_size(args.nproc_per_node)
     if args.max_restarts < 0:
@@ -166,6 +168,15 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     if args.rdzv_backend == "static" and not 0 <= args.node_rank < max_nodes:
         raise ConfigError(f"--node-rank {args.node_rank} is outside 0..{max_nodes - 1}")
     # What torchrun leaves to the user on a cluster.
+    if args.local_addr:
+        own = netif.is_own_address(args.local_addr)
+        if own is None:
+            raise ConfigError(f"--local-addr {args.local_addr}: the name does not resolve")
+        if not own:
+            raise ConfigError(
+                f"--local-addr {args.local_addr} is not an address of this host "
+                "(the other nodes would wait for it forever)"
+            )
     if args.iface:
         address = netif.interface_address(args.iface)
         os.environ["GLOO_SOCKET_IFNAME"] = args.iface
@@ -181,7 +192,27 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
             notes.append(f"--local-addr {args.local_addr} is on {iface}: collectives use it")
     if args.rdzv_backend == "c10d" and args.rdzv_endpoint:
         _decide_store_host(args, notes)
-    return LaunchArgs(args, min_nodes, max_nodes, nproc, notes)
+    if max_nodes > 1:
+        warnings += _unreachable_name_warning(args)
+    return LaunchArgs(args, min_nodes, max_nodes, nproc, notes, warnings)
+
+
+def _unreachable_name_warning(args: argparse.Namespace) -> list[str]:
+    """Across hosts, with no interface or address given, gloo and the agent advertise
+    what the host name resolves to; a loopback address there cannot be reached from
+    another node, and the job would wait until its timeout."""
+    if args.local_addr or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return []
+    meeting = (args.rdzv_endpoint or "").rsplit(":", 1)[0] or args.master_addr
+    if not meeting or netif.is_loopback(meeting):
+        return []  # every node is on this host
+    addr = netif.hostname_address()
+    if addr is None or not netif.is_loopback(addr):
+        return []
+    return [
+        f"this host's name resolves to {addr} (loopback), which other nodes cannot reach: "
+        "pass --iface NAME (the cluster network) or --local-addr ADDR"
+    ]
 
 
 def _decide_store_host(args: argparse.Namespace, notes: list[str]) -> None:

@@ -38,8 +38,7 @@ def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
             if len(set(worlds)) == 1:
                 raise
             raise ConfigError(
-                f"at {world} ranks (this elastic job runs at {min(worlds)}..{max(worlds)}): "
-                f"{exc}"
+                f"at {world} ranks (this elastic job runs at {min(worlds)}..{max(worlds)}): {exc}"
             ) from None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,13 @@ def agree_on_config(cfg: JobConfig, rank: int, world: int, local_rank: int, run_
         if cfg.parallel == "auto":
             keys = [k for k in keys if not k.startswith("parallel")]
         if keys:
-            log.warning(
-                "this node's job config differs from global rank 0's in %s; "
-                "training with rank 0's (one config per job)",
-                ", ".join(keys),
+            message = (
+                f"this node's job config differs from global rank 0's in {', '.join(keys)}; "
+                "training with rank 0's (one config per job)"
             )
+            log.warning("%s", message)
+            if local_rank == 0:  # once per node, on that node's console too
+                print(f"meshforge: warning: {message}", file=sys.stderr, flush=True)
         cfg = build_config(yaml.safe_load(agreed))
     if local_rank == 0:
         target = Path(run_dir) / "config.yaml"
@@ -106,6 +109,10 @@ def host_of_rank(master_addr: str | None = None) -> dict[str, Any]:
 
 
 def count_nodes(hosts: list[dict[str, Any]]) -> int:
-    """Distinct nodes among the ranks' hosts (a node is a host name and address; hosts
+    """Distinct nodes among the ranks' hosts: the launcher's node numbers when every rank
+    has one (torchrun's agents, srun), else distinct host names and addresses (hosts
     made from network namespaces share a name but not an address)."""
-    return len({(h.get("host"), h.get("addr")) for h in hosts if h})
+    known = [h for h in hosts if h]
+    if known and all(h.get("node") is not None for h in known):
+        return len({h["node"] for h in known})
+    return len({(h.get("host"), h.get("addr")) for h in known})

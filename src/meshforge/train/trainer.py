@@ -263,7 +263,8 @@ class Trainer:
                     if sink is not None:
                         sink.write(row)
                     progress.update(step + 1, row)
-                    log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
+                    if not rt.is_main or progress.live:  # else the printed line is logged
+                        log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
 
                 done = step + 1
                 every = c.checkpoint.every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 import time
 import warnings
@@ -119,5 +120,5 @@ def _announce(run_dir: Path, report: dict) -> None:
 
     print_summary(report)
     print(f"run directory: {run_dir}")
-    print(f"sample from it: meshforge sample {run_dir} --prompt 'def '")
+    print(f"sample from it: meshforge sample {shlex.quote(str(run_dir))} --prompt 'def '")
     sys.stdout.flush()
