@@ -88,8 +88,10 @@ def test_iface_sets_socket_variables_and_address(clean_launch_env):
     assert os.environ["NCCL_SOCKET_IFNAME"] == "lo"
     # an explicit --local-addr wins over the interface's address
     assert (
-        parse_launch_args(["job.yaml", "--iface", "lo", "--local-addr", "localhost"]).args.local_addr
-        == "h1"
+        parse_launch_args(
+            ["job.yaml", "--iface", "lo", "--local-addr", "localhost"]
+        ).args.local_addr
+        == "localhost"
     )
 
 
