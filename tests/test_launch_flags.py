@@ -280,3 +280,24 @@ def test_ctrl_c_stops_the_workers_in_one_line(tmp_path):
     assert err.strip().splitlines()[-1].startswith("meshforge: stopped by SIGINT"), err
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive
+
+
+def test_plain_torchrun_leaves_the_same_run_directory(tmp_path, job_file):
+    """`torchrun -m meshforge worker` (no meshforge launcher): config.yaml, report.json
+    with hosts, and each rank's log are there all the same."""
+    from helpers import run_python
+
+    run_dir = tmp_path / "run"
+    proc = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "meshforge", "worker", str(job_file), "--run-dir", str(run_dir)],
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert written["train"] == {**written["train"], **TINY_JOB["train"]}
+    report = yaml.safe_load((run_dir / "report.json").read_text())
+    assert report["world_size"] == 2 and report["nodes"] == 1
+    assert [h["node"] for h in report["hosts"]] == [0, 0]
+    for rank in (0, 1):
+        assert "step 20/20" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
