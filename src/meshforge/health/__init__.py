@@ -1,0 +1,1 @@
+"""Cluster health: preflight checks before a run, diagnosis when one fails."""
