@@ -96,6 +96,9 @@ class TrainConfig(_Section):
     eval_every: int = Field(50, ge=0)  # 0 disables validation
     eval_batches: int = Field(2, ge=1)
     compile: bool = False
+    # Elastic restarts after a worker fails (torchrun's --max-restarts, which wins when
+    # given); each restart resumes from the newest valid checkpoint.
+    max_restarts: int = Field(0, ge=0)
 
 
 class CheckpointConfig(_Section):
@@ -105,6 +108,14 @@ class CheckpointConfig(_Section):
 
 class ObserveConfig(_Section):
     log_every: int = Field(10, ge=1)
+    # Flight record: what each rank is doing, in RUN_DIR/health/flight-rank-K.json,
+    # written every flight_every_s seconds and on any exception (observe/flight.py).
+    flight: bool = True
+    flight_every_s: float = Field(5.0, gt=0)
+    # A rank whose own work per log interval exceeds the median's by this fraction, in
+    # this many consecutive intervals, is named a straggler.
+    straggler_margin: float = Field(0.25, gt=0)
+    straggler_intervals: int = Field(2, ge=1)
     tensorboard: bool = False
     prometheus_port: int | None = Field(None, ge=1, le=65535)
 
@@ -112,7 +123,15 @@ class ObserveConfig(_Section):
 class RuntimeConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Collective timeout while the job starts (first step: compilation, first
+    # checkpoint load), then a shorter one for training (as torchtitan does); None keeps
+    # timeout_s throughout.
     timeout_s: float = Field(300.0, gt=0)
+    step_timeout_s: float | None = Field(120.0, gt=0)
+    # After SIGTERM (a scheduler's time limit, preemption, eviction): seconds the workers
+    # get to write a checkpoint and leave; also how long a launcher whose workers are
+    # gone waits for its rendezvous before it exits.
+    grace_s: float = Field(30.0, gt=0)
     threads_per_worker: int | None = Field(None, ge=1)
 
 
@@ -283,8 +302,10 @@ def read_yaml_file(path: str | Path, kind: str = "config file") -> Any:
 
 def load_raw(path: str | Path) -> dict[str, Any]:
     raw = read_yaml_file(path)
-    if raw is None:
-        raw = {}
+    if raw is None or raw == {}:
+        # An empty file (or only comments) would train every default: almost surely a
+        # wrong path or an unsaved editor buffer, never what was meant.
+        raise ConfigError(f"{path}: the job file is empty (nothing but comments or blanks)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return raw

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -147,7 +148,58 @@ def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Pat
     return run_elastic(config, sys.executable, ["-u", "-m", "meshforge", *worker_args], run_dir)
 
 
-def run_elastic(config: LaunchConfig, cmd: str, cmd_args: list[str], run_dir: Path) -> dict | None:
+class AgentWatchdog:
+    """Ends this launcher when its workers are gone and the elastic agent does not
+    return: an agent whose rendezvous store is on the far side of a cut link waits on
+    it for as long as the link stays down. Waiting for workers to start (rendezvous,
+    restarts) is not watched; only the time after every local worker has exited."""
+
+    def __init__(self, grace_s: float, restarts: int, poll_s: float = 0.5) -> None:
+        # a restart may wait for the other nodes to rendezvous again (torch's default
+        # join timeout is 600 s); a job without restarts has only its exit to finish
+        self.limit_s = grace_s + (600.0 if restarts else 0.0)
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="meshforge-agent-watch",
+                                        daemon=True)  # fmt: skip
+
+    def __enter__(self) -> AgentWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        had_workers, gone_since = False, None
+        while not self._stop.wait(self.poll_s):
+            try:
+                alive = [c for c in me.children() if c.status() != psutil.STATUS_ZOMBIE]
+            except psutil.Error:
+                continue
+            if alive:
+                had_workers, gone_since = True, None
+                continue
+            if not had_workers:
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > self.limit_s:
+                print(
+                    f"meshforge: this node's workers exited {self.limit_s:.0f} s ago and the "
+                    "elastic agent is still waiting on its rendezvous (store or peers "
+                    "unreachable?); giving up",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+
+def run_elastic(
+    config: LaunchConfig, cmd: str, cmd_args: list[str], run_dir: Path, grace_s: float = 60.0
+) -> dict | None:
     """Run CMD CMD_ARGS under the elastic agent with CONFIG.
 
     Returns None on success, or a failure description (also written to
@@ -158,8 +210,10 @@ def run_elastic(config: LaunchConfig, cmd: str, cmd_args: list[str], run_dir: Pa
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     clear_recorded_failures(run_dir / "health")
     launch = elastic_launch(config, cmd)
+    watchdog = AgentWatchdog(max(grace_s, 30.0), config.max_restarts)
     try:
-        launch(*cmd_args)
+        with watchdog:
+            launch(*cmd_args)
         return None
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
@@ -248,20 +302,47 @@ def launch_training(argv: list[str]) -> int:
         )
     worker_args = ["worker", str(job.config_file), "--run-dir", str(job.run_dir)]
     config, cmd, cmd_args = launch_config(launch, worker_args, job.run_dir / "logs" / "elastic")
+    runtime = job.cfg.runtime
+    if not _given(argv, "--max-restarts", "PET_MAX_RESTARTS"):
+        config.max_restarts = job.cfg.train.max_restarts
+    if not _given(argv, "--shutdown-timeout", "PET_SHUTDOWN_TIMEOUT"):
+        # after SIGTERM the workers checkpoint within runtime.grace_s; the agent waits
+        # that long (and a little) before it kills them
+        config.shutdown_timeout = int(runtime.grace_s) + 10
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    launched = time.time()
     try:
-        diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir)
+        diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir, runtime.grace_s)
     except SignalException as exc:
         # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers.
         name = signal.Signals(exc.sigval).name
-        print(
-            f"meshforge: stopped by {name}; the workers were stopped. The same command "
-            "resumes from the last checkpoint in the run directory",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"meshforge: stopped by {name}; {_where_to_resume(job.run_dir, launched)}",
+              file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(exc.sigval)
     if diagnosis is None:
         return 0
     return report_failure(job.run_dir, diagnosis)
+
+
+def _given(argv: list[str], flag: str, env: str) -> bool:
+    """Whether the user set a torchrun option (either spelling, or its PET_ variable)."""
+    spellings = (flag, flag.replace("-", "_").replace("__", "--", 1))
+    return env in os.environ or any(a.split("=")[0] in spellings for a in argv)
+
+
+def _where_to_resume(run_dir: Path, since: float) -> str:
+    """What the user needs after a stop: the step the workers checkpointed, if they did
+    (a report written since the launch says so)."""
+    path = run_dir / "report.json"
+    try:
+        report = json.loads(path.read_text()) if path.stat().st_mtime >= since else {}
+    except (OSError, json.JSONDecodeError):
+        report = {}
+    stopped = report.get("stopped") if report.get("status") == "stopped" else None
+    if stopped:
+        return (
+            f"the workers wrote a checkpoint at step {stopped['step']}; the same command "
+            "resumes from it"
+        )
+    return "the workers were stopped; the same command resumes from the last checkpoint"

@@ -94,7 +94,14 @@ def build_report(
         "last_checkpoint": last_checkpoint,
         "final_param_digest": digest,
         "wall_time_s": wall_s,
+        "stragglers": [
+            {"rank": r, "host": (per_rank[r].get("host") or {}).get("host"), "slowdown": x}
+            for r, x in sorted(trainer.stragglers.named.items())
+        ],
     }
+    if trainer.stopped is not None:
+        report["status"] = "stopped"
+        report["stopped"] = trainer.stopped
     return report
 
 

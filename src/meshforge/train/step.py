@@ -66,6 +66,11 @@ class StepStrategy:
         self.parts, self.optimizers, self.device = parts, optimizers, device
         self.loss_parallel = loss_parallel_enabled(cfg, dims)
         self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+        self.flight = None  # observe/flight.py FlightRecorder, set by the trainer
+
+    def _phase(self, name: str) -> None:
+        if self.flight is not None:
+            self.flight.set_phase(name)
 
     # -- shared pieces ---------------------------------------------------------------------
     def sync(self) -> None:
@@ -104,7 +109,9 @@ class StepStrategy:
     # -- one optimizer step -----------------------------------------------------------------
     def step(self, step: int, micro_batches: Batch, measure: bool) -> StepResult:
         self.optimizers.set_lr(step)
+        self._phase("forward_backward")
         result = self.forward_backward(micro_batches, measure)
+        self._phase("optimizer")
         self.optimizers.unscale()
         clip = self.cfg.train.grad_clip
         if clip > 0 or measure:  # the norm costs collectives: only when needed
@@ -135,11 +142,13 @@ class AccumulatingStep(StepStrategy):
             y = y.to(self.device, non_blocking=True)
             tm = time.perf_counter()
             with self.parts.gradient_sync(i == accum - 1), self.loss_context():
+                self._phase("forward")
                 if measure and i == 0:
                     with SavedActivations() as saved:
                         loss = self._loss(x, y)
                 else:
                     loss = self._loss(x, y)
+                self._phase("backward")
                 self.optimizers.scale(loss / accum).backward()
             if measure:
                 self.sync()

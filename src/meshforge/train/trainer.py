@@ -28,13 +28,16 @@ from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, shape_of
 from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
+from meshforge.observe.flight import FlightRecorder
 from meshforge.observe.machine import measure_profile
 from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
+from meshforge.observe.straggler import StragglerWatch
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.flops import gpt_param_count, training_flops_per_token
 from meshforge.runtime.agree import host_of_rank
+from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime
 from meshforge.train import faults
 from meshforge.train.checkpoint import Checkpointer
@@ -46,7 +49,9 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, run_dir: Path, rt: Runtime) -> None:
+    def __init__(
+        self, cfg: JobConfig, run_dir: Path, rt: Runtime, flight: FlightRecorder | None = None
+    ) -> None:
         cfg.check_trainable()
         self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
         self.device = rt.device
@@ -74,6 +79,14 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(shape)
         self.tokens_per_step = t.global_batch * cfg.model.seq_len
         self.progress: TrainingProgress | None = None
+        # what this rank is doing (observe/flight.py); a disabled one when not given
+        self.flight = flight or FlightRecorder(run_dir, rt.rank, rt.world_size, enabled=False)
+        self.strategy.flight = self.flight
+        self.stop = StopControl(rt.world_size)  # SIGTERM: checkpoint and leave together
+        self.stopped: dict[str, Any] | None = None
+        self.stragglers = StragglerWatch(
+            rt.world_size, cfg.observe.straggler_margin, cfg.observe.straggler_intervals
+        )
 
     # -- what the report and checkpoints record ------------------------------------------
     def layout(self) -> dict[str, Any]:
@@ -219,11 +232,17 @@ class Trainer:
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
             interval_t0, interval_steps = time.perf_counter(), 0
+            fl, first_interval = self.flight, True
+            slow = faults.slow_factor(rt.rank)
             for step in range(start, t.steps):
                 logging_step = (step + 1) % c.observe.log_every == 0 or step + 1 == t.steps
+                self.stop.begin_step()
                 t0 = time.perf_counter()
+                fl.set_phase("data")
                 batch = next(loader)
                 data_s = loader.last_wait_s
+                self.stragglers.add_data_wait(data_s)
+                faults.maybe_oom(step + 1, rt.rank)
                 if ref_compute_s is None and self.accum == 1 and step == start:
                     x0, y0 = batch.micro_batches[0]
                     ref_compute_s = self._reference_compute_s(
@@ -239,6 +258,8 @@ class Trainer:
                     result.tp_comm_s, tp_sampled = tp_comm_s, True
                 else:
                     result = self.strategy.step(step, batch.micro_batches, logging_step)
+                if slow > 1:
+                    _busy(time.perf_counter() - t0, slow - 1)
                 if result.busy_s is not None and step > start:
                     pipeline_times.append((result.busy_s, result.wall_s or 0.0))
                 if step + 1 == t.steps:
@@ -247,6 +268,9 @@ class Trainer:
                 interval_steps += 1
 
                 if logging_step:
+                    fl.set_phase("metrics")
+                    own_s, stragglers = self.stragglers.exchange(skip=first_interval)
+                    first_interval = False
                     loss_value = self.strategy.reduce_loss(result.loss_sum / self.accum).item()
                     self.strategy.sync()
                     now = time.perf_counter()
@@ -257,7 +281,19 @@ class Trainer:
                         ref_compute_s,
                     )  # fmt: skip
                     last_loss = loss_value
+                    row["own_s_per_rank"] = [round(v, 4) for v in own_s]
+                    if stragglers:
+                        row["stragglers"] = stragglers
+                        self._warn(
+                            "straggler: rank(s) "
+                            + ", ".join(
+                                f"{r} ({self.stragglers.named[r]:.2f}x the median)"
+                                for r in stragglers
+                            )
+                            + " of their own work per step"
+                        )
                     if t.eval_every and (step + 1) % t.eval_every == 0:
+                        fl.set_phase("eval")
                         row["val_loss"] = self._validate()
                     rows.append(row)
                     if sink is not None:
@@ -267,16 +303,28 @@ class Trainer:
                         log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
 
                 done = step + 1
+                fl.progress(done)
                 every = c.checkpoint.every
-                if (every and done % every == 0) or done == t.steps:
+                stop = self.stop.end_step()  # the same answer on every rank
+                if (every and done % every == 0) or done == t.steps or stop:
+                    fl.set_phase("checkpoint")
                     self.checkpointer.save(done, self.trainer_state(done, last_loss))
                     last_saved = done
                     faults.maybe_kill_after_checkpoint(done, rt.rank)
                 faults.maybe_crash(done, rt.rank)
-            if state_bytes is None:  # resumed from the final checkpoint: nothing left to do
+                faults.maybe_kill(done, rt.rank)
+                faults.maybe_hang(done, rt.rank)
+                if step == start and c.runtime.step_timeout_s:
+                    set_collective_timeout(c.runtime.step_timeout_s)  # start-up is over
+                if stop:
+                    self.stopped = {"step": done, "signal": self.stop.requested_by}
+                    progress.log(f"stopped after step {done} (checkpoint written)")
+                    break
+            fl.set_phase("report")
+            if state_bytes is None:  # resumed from the final checkpoint, or stopped
                 state_bytes = self.model_state_bytes()
             val_loss = rows[-1].get("val_loss") if rows and rows[-1]["step"] == t.steps else None
-            if val_loss is None and t.eval_every:
+            if val_loss is None and t.eval_every and self.stopped is None:
                 val_loss = self._validate()
         self.progress = None
         digest = self.engine.param_digest()
@@ -376,3 +424,11 @@ def _bubble_of(times: list[tuple[float, float]]) -> dict[str, float] | None:
     busy = sum(b for b, _ in times)
     wall = sum(w for _, w in times)
     return {"busy_s": busy, "wall_s": wall, "bubble": max(0.0, 1.0 - busy / wall) if wall else 0.0}
+
+
+def _busy(seconds: float, factor: float) -> None:
+    """Burn `factor` x `seconds` of processor time (the `slow` fault: a slow device)."""
+    end = time.process_time() + seconds * factor
+    x = 0
+    while time.process_time() < end:
+        x += 1

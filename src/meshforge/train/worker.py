@@ -71,6 +71,7 @@ class _Tee:
 
 @record
 def run_worker(config_path: Path, run_dir: Path) -> None:
+    from meshforge.observe.flight import FlightRecorder
     from meshforge.runtime.agree import agree_on_config
     from meshforge.runtime.dist import distributed
     from meshforge.train.trainer import Trainer
@@ -86,11 +87,18 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
         with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
             log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
             cfg = agree_on_config(cfg, rt.rank, rt.world_size, rt.env.local_rank, run_dir)
+            o = cfg.observe
+            flight = FlightRecorder(
+                run_dir, rt.rank, rt.world_size, o.flight_every_s, rt.device, o.flight
+            ).start()
             try:
-                report = Trainer(cfg, run_dir, rt).fit()
+                report = Trainer(cfg, run_dir, rt, flight).fit()
             except BaseException as exc:
+                flight.fail(exc)
                 record_failure(run_dir, env.rank, exc)
                 raise
+            finally:
+                flight.close("finished")
         log.info("finished")
         if env.rank == 0 and report:
             _announce(run_dir, report)

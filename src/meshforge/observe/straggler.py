@@ -1,0 +1,57 @@
+"""Stragglers: a rank consistently slower than the others at its own work.
+
+In synchronous training every rank's step takes the same wall time (the fast ones wait
+for the slow one inside the gradient collectives), so step times cannot name the slow
+rank. What differs is each rank's own work: its data wait plus the processor time its
+process spent (computing; a rank blocked in a collective uses none). Every log interval
+the ranks exchange that figure; a rank above the median by `margin` in `intervals`
+consecutive intervals is named, with its slowdown."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class StragglerWatch:
+    world_size: int
+    margin: float = 0.25
+    intervals: int = 2
+    _cpu0: float = field(default_factory=time.process_time)
+    _data_s: float = 0.0
+    _streak: dict[int, int] = field(default_factory=dict)
+    named: dict[int, float] = field(default_factory=dict)  # rank -> worst slowdown seen
+
+    def add_data_wait(self, seconds: float) -> None:
+        self._data_s += seconds
+
+    def exchange(self, skip: bool = False) -> tuple[list[float], list[int]]:
+        """Collective over the world: every rank's own work in the interval just ended,
+        and the ranks that are stragglers now. `skip` (the first interval, start-up
+        included) exchanges but judges nothing."""
+        now = time.process_time()
+        own = (now - self._cpu0) + self._data_s
+        self._cpu0, self._data_s = now, 0.0
+        values = torch.zeros(self.world_size, dtype=torch.float64)
+        values[dist.get_rank() if dist.is_initialized() else 0] = own
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(values)
+        per_rank = values.tolist()
+        if skip or self.world_size < 2:
+            return per_rank, []
+        median = statistics.median(per_rank)
+        slow = []
+        for rank, value in enumerate(per_rank):
+            if median > 0 and value > median * (1 + self.margin):
+                self._streak[rank] = self._streak.get(rank, 0) + 1
+                if self._streak[rank] >= self.intervals:
+                    slow.append(rank)
+                    self.named[rank] = max(self.named.get(rank, 0.0), value / median)
+            else:
+                self._streak[rank] = 0
+        return per_rank, slow
