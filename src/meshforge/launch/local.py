@@ -309,6 +309,10 @@ def launch_training(argv: list[str]) -> int:
         # after SIGTERM the workers checkpoint within runtime.grace_s; the agent waits
         # that long (and a little) before it kills them
         config.shutdown_timeout = int(runtime.grace_s) + 10
+    # Workers get a store of their own per attempt: sharing the rendezvous store breaks
+    # elastic restarts (the new attempt's gloo/NCCL setup reads the old attempt's
+    # addresses: pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     launched = time.time()

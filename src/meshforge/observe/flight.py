@@ -151,6 +151,9 @@ class FlightRecorder:
         self.error: str | None = None
         self.oom = False
         self.extra: dict[str, Any] = {}
+        # what this rank's previous attempt reached (an elastic restart), read before
+        # this attempt's first write replaces it
+        self.previous = _read(self.path) if enabled else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,6 +240,13 @@ class FlightRecorder:
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # a full or vanished disk must not take the rank down
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def read_flight_records(health: Path) -> list[dict[str, Any]]:

@@ -99,10 +99,19 @@ def build_report(
             for r, x in sorted(trainer.stragglers.named.items())
         ],
     }
+    report["restarts"] = restarts_of_this_run(trainer.run_dir)
     if trainer.stopped is not None:
         report["status"] = "stopped"
         report["stopped"] = trainer.stopped
     return report
+
+
+def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:
+    """The elastic restarts of the current launch (health/restarts.jsonl, this run id)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    path = Path(run_dir) / "health" / "restarts.jsonl"
+    rows = read_jsonl(path) if path.exists() else []
+    return [r for r in rows if run_id is not None and r.get("run_id") == run_id]
 
 
 def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str, float] | None:

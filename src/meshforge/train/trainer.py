@@ -11,7 +11,9 @@ so the loop does not synchronise more than the parallel layout needs.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -131,6 +133,31 @@ class Trainer:
         elif self.rt.is_main:
             print(f"meshforge: warning: {message}", file=sys.stderr, flush=True)
 
+    def _record_restart(self, resumed_from: int | None) -> None:
+        """After an elastic restart: which attempt, where it resumed, and how many steps
+        the failed attempt had done beyond that (redone now), in health/restarts.jsonl."""
+        attempt = self.flight.attempt
+        if attempt == 0:
+            return
+        previous = self.flight.previous or {}
+        reached = previous.get("step") if previous.get("attempt") == attempt - 1 else None
+        entry = {
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "attempt": attempt,
+            "time": time.time(),
+            "resumed_from": resumed_from or 0,
+            "reached_before": reached,
+            "steps_redone": None if reached is None else max(0, reached - (resumed_from or 0)),
+        }
+        path = self.run_dir / "health" / "restarts.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        self._warn(
+            f"restart {attempt}: resumed from step {entry['resumed_from']}"
+            + (f", redoing {entry['steps_redone']} step(s)" if reached is not None else "")
+        )
+
     def _resume(self) -> int | None:
         state = self.checkpointer.resume(self.rt.is_main)
         if state is None:
@@ -207,6 +234,8 @@ class Trainer:
         self.machine_profile = measure_profile(self.device, c.precision.dtype, group, c)
         resumed_from = self._resume()
         start = resumed_from or 0
+        if rt.is_main:
+            self._record_restart(resumed_from)
         loader = DistributedBatchLoader(
             self.splits.train,
             c.model.seq_len,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -81,7 +82,11 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
     _setup_logging(run_dir, env.rank)
     log = logging.getLogger("meshforge.worker")
     cfg = load_config(config_path)
-    log.info("starting: launcher=%s rank=%d/%d", env.launcher, env.rank, env.world_size)
+    log.info(
+        "starting: launcher=%s rank=%d/%d master=%s:%s attempt=%s",
+        env.launcher, env.rank, env.world_size, env.master_addr, env.master_port,
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )  # fmt: skip
     try:
         r = cfg.runtime
         with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
