@@ -116,13 +116,13 @@ def _launch_args(rest: list[str]):
 def run_preflight(argv: list[str]) -> int:
     from meshforge.runtime.env import detect_env
 
-    _parser(with_launch_flags=True).parse_args(argv)  # every flag checked; --help exits here
     own, rest = _parser(with_launch_flags=False).parse_known_args(argv)
     options = _options(own)
-    if own.worker and rest:
+    if own.worker and rest and not {"-h", "--help"} & set(rest):
         raise ConfigError(
             f"{PROG}: --worker runs under a launcher; it takes no launch flags ({rest[0]})"
         )
+    _parser(with_launch_flags=True).parse_args(argv)  # every flag checked; --help exits here
     if own.worker or (not rest and detect_env().launcher != "single"):
         return _run_worker(options, render=not own.launched, as_json=own.json)
     return _launch(options, _launch_args(rest), as_json=own.json)
@@ -160,11 +160,8 @@ def _launch(options, launch, as_json: bool) -> int:
         print(f"meshforge: {note}", file=info, flush=True)
     for warning in launch.warnings:
         print(f"meshforge: warning: {warning}", file=sys.stderr, flush=True)
-    nodes = (
-        launch.max_nodes
-        if launch.min_nodes == launch.max_nodes
-        else (f"{launch.min_nodes}..{launch.max_nodes}")
-    )
+    low, high = launch.min_nodes, launch.max_nodes
+    nodes = high if low == high else f"{low}..{high}"
     print(
         f"meshforge: preflight on {nodes} node(s) x {launch.nproc_per_node} process(es) "
         f"-> {options.run_dir}",
@@ -172,15 +169,11 @@ def _launch(options, launch, as_json: bool) -> int:
         flush=True,
     )
     result_path(options.run_dir).unlink(missing_ok=True)  # never report an older result
-    worker_args = ["preflight", "--worker", "--launched", "--run-dir", str(options.run_dir)]
-    worker_args += [
-        "--bandwidth-mb",
-        str(options.bandwidth_mb),
-        "--timeout",
-        str(options.timeout_s),
+    worker_args = [
+        *("preflight", "--worker", "--launched", "--run-dir", str(options.run_dir)),
+        *("--bandwidth-mb", str(options.bandwidth_mb), "--timeout", str(options.timeout_s)),
+        *(("--port", str(options.port)) if options.port else ()),
     ]
-    if options.port:
-        worker_args += ["--port", str(options.port)]
     config, cmd, cmd_args = launch_config(launch, worker_args, options.run_dir / "logs" / "elastic")
     if config.rdzv_backend == "c10d":
         config.rdzv_configs.setdefault("join_timeout", max(1, round(options.timeout_s)))

@@ -113,14 +113,12 @@ def _differ(
     odd = [(value, ranks) for value, ranks in groups[:-1]]
     detail = "; ".join(f"{show(v)} on {_where(r, hosts)}" for v, r in odd)
     detail += f" vs {show(reference)} on {_where(groups[-1][1], hosts)}"
-    blamed = sorted(r for _, ranks in odd for r in ranks)
-    return Check(
-        name,
-        status,
-        f"differs: {detail}",
-        ranks=blamed,
-        hosts=list(dict.fromkeys(hosts[r] for r in blamed)),
-    )
+    return _blame(name, status, f"differs: {detail}", [r for _, ranks in odd for r in ranks], hosts)
+
+
+def _blame(name: str, status: str, detail: str, ranks: list[int], hosts: dict[int, str]) -> Check:
+    ranks = sorted(set(ranks))
+    return Check(name, status, detail, ranks, list(dict.fromkeys(hosts[r] for r in ranks)))
 
 
 def _na(value: Any, why: str = "n/a") -> str:
@@ -140,15 +138,16 @@ def version_checks(reports: list[dict], hosts: dict[int, str]) -> list[Check]:
         check = _differ("python", full, hosts, WARN)
     checks.append(check)
     for key in MUST_AGREE:
-        if key == "torch":
-            values = {
+        why = "n/a (no CUDA)" if key in ("cuda", "cudnn", "nccl") else "n/a"
+        values = {rank: v.get(key) for rank, v in by_rank.items()}
+        check = _differ(key, values, hosts, FAIL, show=lambda v, why=why: _na(v, why))
+        if key == "torch" and check.status == PASS:  # one version, two builds?
+            builds = {
                 rank: f"{v['torch']} (git {str(v.get('torch_git') or '?')[:7]})"
                 for rank, v in by_rank.items()
             }
-        else:
-            values = {rank: v.get(key) for rank, v in by_rank.items()}
-        why = "n/a (no CUDA)" if key in ("cuda", "cudnn", "nccl") else "n/a"
-        checks.append(_differ(key, values, hosts, FAIL, show=lambda v, why=why: _na(v, why)))
+            check = _differ(key, builds, hosts, FAIL)
+        checks.append(check)
     checks.append(_driver_check(reports, hosts))
     return checks
 
@@ -176,7 +175,7 @@ def gpu_check(reports: list[dict], hosts: dict[int, str]) -> Check:
     }
     if errors:
         detail = "; ".join(f"{hosts[r]}: {d}" for r, d in errors.items())
-        return Check("gpus", WARN, detail, ranks=list(errors), hosts=[hosts[r] for r in errors])
+        return _blame("gpus", WARN, detail, list(errors), hosts)
     if all(n["gpus"]["status"] == "none" for n in nodes.values()):
         reason = next(iter(nodes.values()))["gpus"]["detail"] if nodes else "no node report"
         return Check("gpus", PASS, f"no GPU on any node ({reason}): CPU processes on gloo")
@@ -186,24 +185,27 @@ def gpu_check(reports: list[dict], hosts: dict[int, str]) -> Check:
     if check.status == PASS and mixed:
         where = ", ".join(hosts[r] for r in mixed)
         detail = f"mixed GPU models on {where}: {models[mixed[0]]}"
-        return Check("gpus", WARN, detail, mixed, [hosts[r] for r in mixed])
+        return _blame("gpus", WARN, detail, mixed, hosts)
     if check.status == PASS:
         check.detail = f"{check.detail} on each of {len(nodes)} node(s)"
     return check
 
 
 def infiniband_check(reports: list[dict], hosts: dict[int, str]) -> Check:
-    nodes = _node_reports(reports)
-    ib = {rank: n["infiniband"] for rank, n in nodes.items()}
+    ib = {rank: n["infiniband"] for rank, n in _node_reports(reports).items()}
     present = [r for r, i in ib.items() if i["present"]]
+    unknown = [r for r, i in ib.items() if i["present"] is None]
     if not present:
         reason = next(iter(ib.values()))["detail"] if ib else "no node report"
+        if len(unknown) == len(ib):
+            return Check("infiniband", SKIP, f"{reason} on any node")
         return Check("infiniband", PASS, f"none on any node ({reason}): NCCL uses TCP sockets")
-    missing = [r for r in ib if r not in present]
     problems, blamed = [], []
-    if missing:
-        problems.append(f"missing on {', '.join(hosts[r] for r in missing)}")
-        blamed += missing
+    missing = [r for r in ib if r not in present and r not in unknown]
+    for ranks, what in ((missing, "missing"), (unknown, "not checked (no ibv_devinfo)")):
+        if ranks:
+            problems.append(f"{what} on {', '.join(hosts[r] for r in ranks)}")
+            blamed += ranks
     for rank in present:
         ports = ib[rank]["ports"]
         if not ports:  # never read silence as health: ibstat printing nothing is not "Active"
@@ -214,12 +216,9 @@ def infiniband_check(reports: list[dict], hosts: dict[int, str]) -> Check:
             problems.append(f"{hosts[rank]}: " + "; ".join(probes.describe_port(p) for p in down))
             blamed.append(rank)
     if problems:
-        blamed = sorted(set(blamed))
-        return Check("infiniband", WARN, "; ".join(problems), blamed, [hosts[r] for r in blamed])
-    first = ib[present[0]]
-    return Check(
-        "infiniband", PASS, f"{probes.describe_ports(first['ports'])} on {len(present)} node(s)"
-    )
+        return _blame("infiniband", WARN, "; ".join(problems), blamed, hosts)
+    ports = probes.describe_ports(ib[present[0]]["ports"])
+    return Check("infiniband", PASS, f"{ports} on each of {len(present)} node(s)")
 
 
 def env_check(reports: list[dict], hosts: dict[int, str]) -> Check:
@@ -233,13 +232,11 @@ def env_check(reports: list[dict], hosts: dict[int, str]) -> Check:
         return Check("env", PASS, f"same on every rank: {shown}")
     details, blamed = [], set()
     for key in differing:
-        check = _differ(key, {r: env.get(key) for r, env in envs.items()}, hosts, WARN,
-                        show=lambda v: _na(v, "unset"))  # fmt: skip
+        values = {r: env.get(key) for r, env in envs.items()}
+        check = _differ(key, values, hosts, WARN, show=lambda v: _na(v, "unset"))
         details.append(f"{key} {check.detail}")
         blamed.update(check.ranks)
-    return Check(
-        "env", WARN, "; ".join(details), sorted(blamed), sorted({hosts[r] for r in blamed})
-    )
+    return _blame("env", WARN, "; ".join(details), list(blamed), hosts)
 
 
 def disk_check(
@@ -255,7 +252,7 @@ def disk_check(
         detail = "; ".join(
             f"{hosts[r]}: cannot write in {d['path']} ({d['error']})" for r, d in broken.items()
         )
-        return Check("disk", FAIL, detail, sorted(broken), [hosts[r] for r in broken])
+        return _blame("disk", FAIL, detail, list(broken), hosts)
     low = {
         r: d
         for r, d in disks.items()
@@ -266,8 +263,7 @@ def disk_check(
             f"{hosts[r]}: {format_bytes(d['free_bytes'])} free in {d['path']}"
             for r, d in low.items()
         )
-        return Check("disk", WARN, f"{detail} (below {format_bytes(low_bytes)})", sorted(low),
-                     [hosts[r] for r in low])  # fmt: skip
+        return _blame("disk", WARN, f"{detail} (below {format_bytes(low_bytes)})", list(low), hosts)
     rank = min(disks, key=lambda r: disks[r]["free_bytes"] or 0)
     return Check(
         "disk",
@@ -284,8 +280,7 @@ def _reach_check(name: str, reach: dict, hosts: dict[int, str]) -> Check:
     if failed:
         errors = "; ".join(f"{_where([r['rank']], hosts)}: {r['error']}" for r in failed)
         blamed = [r["rank"] for r in failed]
-        return Check(name, FAIL, f"{target} unreachable from {errors}", blamed,
-                     list(dict.fromkeys(hosts[r] for r in blamed)))  # fmt: skip
+        return _blame(name, FAIL, f"{target} unreachable from {errors}", blamed, hosts)
     slowest_ms = 1e3 * max(r["connect_s"] for r in results)
     note = f"; {reach['note']}" if reach.get("note") else ""
     return Check(
@@ -312,7 +307,7 @@ def communication_checks(comm: dict, hosts: dict[int, str]) -> list[Check]:
                 for r in wrong
             )
             blamed = [r["rank"] for r in wrong]
-            checks.append(Check("allreduce", FAIL, detail, blamed, [hosts[r] for r in blamed]))
+            checks.append(_blame("allreduce", FAIL, detail, blamed, hosts))
         else:
             checks.append(
                 Check(
@@ -369,7 +364,8 @@ def collective_blocker(checks: list[Check]) -> str | None:
     """Why the collectives are skipped: a failed version check (they could hang)."""
     failed = [c.name for c in checks if c.status == FAIL and c.name in ("python", *MUST_AGREE)]
     if failed:
-        return f"skipped: {', '.join(failed)} differ across ranks (a collective could hang)"
+        what = f"{failed[0]} differs" if len(failed) == 1 else f"{', '.join(failed)} differ"
+        return f"skipped: {what} across ranks (a collective could hang)"
     return None
 
 
