@@ -249,7 +249,9 @@ def test_busbw_factor_is_two_n_minus_one_over_n():
 
 def test_version_fault_hook_changes_only_its_rank():
     mine, other = report(1, "a"), report(0, "a")
-    env = {"MESHFORGE_FAULT": "preflight_version:1:torch=2.0.0,nccl=2.18.1"}
+    env = {
+        "MESHFORGE_FAULT": "crash:3,preflight_version:1:torch=2.0.0,preflight_version:1:nccl=2.18.1"
+    }
     probes.inject_version_fault(mine, env)
     probes.inject_version_fault(other, env)
     assert (mine["versions"]["torch"], mine["versions"]["nccl"]) == ("2.0.0", "2.18.1")

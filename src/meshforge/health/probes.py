@@ -343,19 +343,19 @@ VERSION_FAULT = "preflight_version"
 
 def inject_version_fault(report: dict[str, Any], environ: Mapping[str, str] | None = None) -> None:
     """Test hook, never set in production: MESHFORGE_FAULT=preflight_version:RANK:KEY=VALUE
-    [,KEY=VALUE...] makes RANK report VALUE for KEY (torch, nccl, cuda, ...)."""
+    makes RANK report VALUE for KEY (torch, nccl, cuda, ...). Several faults are separated
+    by commas, as in train/faults.py."""
     env = os.environ if environ is None else environ
-    spec = env.get(FAULT_ENV, "")
-    kind, _, rest = spec.partition(":")
-    if kind != VERSION_FAULT:
-        return
-    rank, _, assignments = rest.partition(":")
-    pairs = [item.partition("=") for item in assignments.split(",")]
-    if not rank.isdigit() or any(not sep or key not in report["versions"] for key, sep, _ in pairs):
-        keys = ", ".join(report["versions"])
-        raise ConfigError(
-            f"{FAULT_ENV}={spec}: expected {VERSION_FAULT}:RANK:KEY=VALUE, KEY in {keys}"
-        )
-    if int(rank) == report["rank"]:
-        for key, _, value in pairs:
+    for spec in env.get(FAULT_ENV, "").split(","):
+        kind, _, rest = spec.partition(":")
+        if kind != VERSION_FAULT:
+            continue
+        rank, _, assignment = rest.partition(":")
+        key, sep, value = assignment.partition("=")
+        if not rank.isdigit() or not sep or key not in report["versions"]:
+            keys = ", ".join(report["versions"])
+            raise ConfigError(
+                f"{FAULT_ENV}: {spec!r}: expected {VERSION_FAULT}:RANK:KEY=VALUE, KEY in {keys}"
+            )
+        if int(rank) == report["rank"]:
             report["versions"][key] = value
