@@ -42,8 +42,12 @@ class StragglerWatch:
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(values)
         per_rank = values.tolist()
-        if skip or self.world_size < 2:
-            return per_rank, []
+        return per_rank, ([] if skip else self.judge(per_rank))
+
+    def judge(self, per_rank: list[float]) -> list[int]:
+        """The ranks above the median by the margin for `intervals` intervals in a row."""
+        if len(per_rank) < 2:
+            return []
         median = statistics.median(per_rank)
         slow = []
         for rank, value in enumerate(per_rank):
@@ -54,4 +58,4 @@ class StragglerWatch:
                     self.named[rank] = max(self.named.get(rank, 0.0), value / median)
             else:
                 self._streak[rank] = 0
-        return per_rank, slow
+        return slow
