@@ -1,0 +1,704 @@
+"""What happened to a run, from what it left in its run directory.
+
+The evidence, all under RUN_DIR: each rank's flight record (health/flight-rank-K.json:
+status, phase, steps done, the torch.distributed call it is in, the process group's
+collective sequence number, when it was last written), the errors the ranks recorded
+themselves (health/failure-rank-K.json), the elastic agent's record of how each
+process ended (exit code or signal: health/diagnosis.json, or the `failure` in
+report.json), report.json (status, stragglers, a stop, restarts) and config.yaml (the
+timeouts that applied).
+
+The verdict, in this order:
+
+- `oom`: a rank recorded an out-of-memory error.
+- `rank_crashed`: a rank failed with an error of its own (not a peer's broken
+  connection or a timeout), or was killed by a signal nobody in the job sent: SIGSEGV
+  and the like, or a SIGKILL while its peers saw their connections to it break.
+- `network_partition`: ranks on more than one host, every one of them alive and timing
+  out on the others in the same collective (or reporting the other host's address as
+  unreachable), or the ranks of one host going silent together with no exit their
+  agent saw. The host named is the one cut off from global rank 0's side.
+- `hang`: peers timed out while a rank did not fail: it stopped writing its flight
+  record (a stopped process) or kept writing it without entering the collective the
+  others were in (stuck in its own code). The lowest collective sequence is the rank
+  the others waited for.
+- `straggler`: the run completed and named a rank consistently slower than the median.
+- `ok`: the run completed. `stopped`: a SIGTERM or Ctrl-C stopped it (with the step it
+  checkpointed). `running`: no failure yet and the ranks make progress. `unknown`:
+  nothing to go on.
+
+`diagnose_run` returns a dict: verdict, a one-line summary, the ranks and hosts to
+blame, the evidence (one row per rank, and who waited for whom) and advice. The
+launcher writes it to health/diagnosis.json when a run fails or is stopped;
+`meshforge diagnose RUN_DIR` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshforge.errors import MeshforgeError
+from meshforge.launch.local import describe_exit, recorded_failures
+
+VERDICTS = (
+    "rank_crashed",
+    "oom",
+    "network_partition",
+    "hang",
+    "straggler",
+    "ok",
+    "stopped",
+    "running",
+    "unknown",
+)
+
+# Phases inside a training step (a rank in one of them is working on step done + 1).
+_STEP_PHASES = {"data", "forward", "backward", "forward_backward", "optimizer", "metrics", "eval"}
+_OOM_TEXT = ("outofmemoryerror", "out of memory", "cannot allocate memory", "memoryerror")
+_TIMEOUT_TEXT = ("timed out", "timeout", "deadline exceeded")
+_CONNECTION_TEXT = (
+    "connection reset",
+    "reset by peer",
+    "closed by peer",
+    "connection closed",
+    "connection was likely closed",
+    "broken pipe",
+    "connection refused",
+    "connectfullmesh",
+    "no route to host",
+    "network is unreachable",
+    "host is unreachable",
+)
+_IPV4 = re.compile(r"\b(\d{1,3}(?:\.\d{1,3}){3})\b")
+
+
+class NotARunDirectory(MeshforgeError):
+    """The path holds no run: no config.yaml, report.json or health/ records."""
+
+
+def error_kind(text: str | None) -> str | None:
+    """oom, timeout, connection (a peer's broken connection) or own (anything else)."""
+    if not text:
+        return None
+    low = text.lower()
+    if any(m in low for m in _OOM_TEXT):
+        return "oom"
+    if any(m in low for m in _TIMEOUT_TEXT):
+        return "timeout"
+    if any(m in low for m in _CONNECTION_TEXT):
+        return "connection"
+    return "own"
+
+
+def signal_of(exitcode: int | None) -> str | None:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+@dataclass
+class Rank:
+    """One rank as the evidence shows it (flight record, own failure, agent's record)."""
+
+    rank: int
+    flight: dict[str, Any] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None  # health/failure-rank-K.json
+    agent: dict[str, Any] | None = None  # the agent's entry: exit code, signal, error
+    host: dict[str, Any] = field(default_factory=dict)  # host, addr, node when known
+
+    @property
+    def status(self) -> str:
+        return self.flight.get("status") or ("failed" if self.failure else "unknown")
+
+    @property
+    def error(self) -> str | None:
+        if self.failure and self.failure.get("error"):
+            return self.failure["error"]
+        if self.flight.get("error"):
+            return self.flight["error"]
+        if self.agent and self.agent.get("exitcode", 0) >= 0:
+            err = self.agent.get("error") or ""
+            return None if err.startswith("no error recorded") else err or None
+        return None
+
+    @property
+    def kind(self) -> str | None:
+        if self.flight.get("oom"):
+            return "oom"
+        return error_kind(self.error)
+
+    @property
+    def signal(self) -> str | None:
+        return signal_of((self.agent or {}).get("exitcode"))
+
+    @property
+    def failed_at(self) -> float | None:
+        if self.failure and self.failure.get("time"):
+            return float(self.failure["time"])
+        return self.flight.get("time") if self.status == "failed" else None
+
+    @property
+    def steps_done(self) -> int:
+        return int(self.flight.get("step") or 0)
+
+    @property
+    def seq(self) -> int | None:
+        return self.flight.get("collective_seq")
+
+    @property
+    def pid(self) -> int | None:
+        return self.flight.get("pid") or (self.agent or {}).get("pid")
+
+    def group(self) -> tuple:
+        """What tells this rank's host apart: the launcher's node number, else name and
+        address (namespace hosts share a name but not an address)."""
+        h = self.host
+        if h.get("node") is not None:
+            return ("node", h["node"])
+        return (h.get("host"), h.get("addr"))
+
+
+@dataclass
+class Evidence:
+    run_dir: Path
+    ranks: dict[int, Rank]
+    config: dict[str, Any]
+    report: dict[str, Any] | None
+    agent: dict[str, Any] | None  # {first_failure, failures, time}
+    stopped_by: str | None
+    now: float  # the moment the evidence describes: the last record, or now for a live run
+    live: bool  # no failure, stop or completion recorded: the run may still be going
+    missing: list[int] = field(default_factory=list)  # ranks of the world with no record
+
+    def setting(self, section: str, key: str, default: Any) -> Any:
+        value = (self.config.get(section) or {}).get(key)
+        return default if value is None else value
+
+    @property
+    def timeout_s(self) -> float:
+        """The collective timeout in force: start-up's until the first step is done."""
+        started = any(r.steps_done > 0 for r in self.ranks.values())
+        step_timeout = self.setting("runtime", "step_timeout_s", 120.0)
+        return float(step_timeout if started and step_timeout else self.setting(
+            "runtime", "timeout_s", 300.0))  # fmt: skip
+
+    @property
+    def stale_s(self) -> float:
+        """A flight record this much older than the newest one has stopped being written."""
+        every = float(self.setting("observe", "flight_every_s", 5.0))
+        return max(3 * every, 0.5 * self.timeout_s)
+
+    def age(self, r: Rank) -> float | None:
+        t = r.flight.get("time")
+        return None if t is None else max(0.0, self.now - t)
+
+
+# --- reading the run directory ---------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def collect(
+    run_dir: Path, agent_failures: dict | None = None, stopped_by: str | None = None
+) -> Evidence:
+    run_dir = Path(run_dir)
+    health = run_dir / "health"
+    if not run_dir.is_dir():
+        raise NotARunDirectory(f"{run_dir}: no such directory")
+    if not any((run_dir / p).exists() for p in ("config.yaml", "report.json", "health")):
+        raise NotARunDirectory(
+            f"{run_dir} is not a meshforge run directory (no config.yaml, report.json or health/)"
+        )
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        config = {}
+    report = _read_json(run_dir / "report.json")
+    agent = agent_failures or _read_json(health / "diagnosis.json")
+    if agent is None and report and isinstance(report.get("failure"), dict):
+        agent = report["failure"]
+    ranks: dict[int, Rank] = {}
+
+    def rank(k: int) -> Rank:
+        return ranks.setdefault(k, Rank(k))
+
+    for path in sorted(health.glob("flight-rank-*.json")):
+        record = _read_json(path)
+        if record is not None and isinstance(record.get("rank"), int):
+            rank(record["rank"]).flight = record
+    flight_times = [r.flight["time"] for r in ranks.values() if r.flight.get("time")]
+    started = min((r.flight.get("started") or 0 for r in ranks.values()), default=0)
+    if agent is not agent_failures and (agent or {}).get("time", started) < started:
+        agent = None  # a record of an earlier launch in the same run directory
+    for record in recorded_failures(health) if health.is_dir() else []:
+        # a failure record older than this attempt's flight record is an earlier attempt's
+        r = rank(int(record["rank"]))
+        if record.get("time", 0) >= r.flight.get("started", 0):
+            r.failure = record
+    for entry in (agent or {}).get("failures") or []:
+        if isinstance(entry.get("rank"), int):
+            rank(entry["rank"]).agent = entry
+    hosts = (report or {}).get("hosts") or []
+    for r in ranks.values():
+        known = hosts[r.rank] if r.rank < len(hosts) and isinstance(hosts[r.rank], dict) else {}
+        r.host = {
+            "host": r.flight.get("host") or known.get("host"),
+            "addr": r.flight.get("addr") or known.get("addr"),
+            "node": r.flight.get("node", known.get("node")),
+        }
+    failed = agent is not None or any(r.status == "failed" for r in ranks.values())
+    finished = report is not None and report.get("status") in ("completed", "stopped")
+    live = not failed and not finished and stopped_by is None
+    stamps = flight_times + [r.failure["time"] for r in ranks.values() if r.failure]
+    now = time.time() if live or not stamps else max(stamps)
+    world = max((r.flight.get("world_size") or 0 for r in ranks.values()), default=0)
+    missing = [k for k in range(world) if k not in ranks]
+    return Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
+
+
+# --- judging ---------------------------------------------------------------------------
+
+
+def diagnose_run(
+    run_dir: Path, agent_failures: dict | None = None, stopped_by: str | None = None
+) -> dict[str, Any]:
+    """The diagnosis of RUN_DIR. `agent_failures`: the elastic agent's failure record
+    (first_failure, failures) when the launcher has one in hand; `stopped_by`: the
+    signal that stopped the launcher (SIGTERM, SIGINT)."""
+    return judge(collect(run_dir, agent_failures, stopped_by))
+
+
+def judge(ev: Evidence) -> dict[str, Any]:
+    report = ev.report or {}
+    current = all(r.status == "finished" for r in ev.ranks.values())
+    if report.get("status") == "completed" and current and ev.stopped_by is None:
+        return _completed(ev)
+    if ev.stopped_by or (report.get("status") == "stopped" and current):
+        return _stopped(ev)
+    if ev.live:
+        return _live(ev)
+    return _failed(ev)
+
+
+def _failed(ev: Evidence) -> dict[str, Any]:
+    ranks = list(ev.ranks.values())
+    oom = [r for r in ranks if r.kind == "oom"]
+    if oom:
+        r = _earliest(oom)
+        where = _where(ev, r)
+        return _verdict(ev, "oom", [r], f"{_who(r)} ran out of memory {where}", _oom_advice(ev, r))
+    own = [r for r in ranks if r.kind == "own"]
+    if own:
+        r = _earliest(own)
+        return _verdict(ev, "rank_crashed", [r], f"{_who(r)} failed {_where(ev, r)}: {r.error}",
+                        _crash_advice(ev, r))  # fmt: skip
+    signalled = [r for r in ranks if r.signal and r.signal not in ("SIGTERM", "SIGKILL")]
+    if signalled:
+        return _crashed_by_signal(ev, signalled)
+    kinds = {r.kind for r in ranks}
+    silent = [r for r in ranks if r.status == "running"]  # did not fail by itself
+    killed = [r for r in silent if r.signal == "SIGKILL"]
+    if killed and "connection" in kinds:
+        return _crashed_by_signal(ev, killed)
+    partition = _partition(ev)
+    if partition is not None:
+        return partition
+    if "timeout" in kinds:
+        return _hang(ev, silent)
+    if silent:
+        return _crashed_by_signal(ev, silent)
+    first = (ev.agent or {}).get("first_failure") or {}
+    blamed = [ev.ranks[first["rank"]]] if first.get("rank") in ev.ranks else []
+    what = blamed and f"{_who(blamed[0])} failed {_where(ev, blamed[0])}: {blamed[0].error}"
+    return _verdict(ev, "rank_crashed", blamed, what or "a rank failed; no record says which",
+                    _crash_advice(ev, blamed[0] if blamed else None))  # fmt: skip
+
+
+def _crashed_by_signal(ev: Evidence, ranks: list[Rank]) -> dict[str, Any]:
+    r = ranks[0]
+    sig = r.signal
+    how = f"was killed by {sig}" if sig else "exited without recording an error"
+    note = ""
+    if sig == "SIGKILL":
+        note = " (not by meshforge: the kernel's OOM killer, an operator or the scheduler)"
+    return _verdict(ev, "rank_crashed", ranks, f"{_who(r)} {how} {_where(ev, r)}{note}",
+                    _crash_advice(ev, r))  # fmt: skip
+
+
+def _hang(ev: Evidence, silent: list[Rank]) -> dict[str, Any]:
+    """Peers timed out. The ranks that did not fail themselves hung; failing that (every
+    rank timed out), the ones with the lowest collective sequence, or the ones that left
+    no record here."""
+    blamed = silent or _lowest_seq(ev) or [Rank(k) for k in ev.missing]
+    waiting = [r for r in ev.ranks.values() if r not in blamed and r.kind == "timeout"]
+    if not blamed:
+        seqs = {r.seq for r in ev.ranks.values()}
+        same = f" in the same collective (seq {seqs.pop()})" if len(seqs) == 1 else ""
+        summary = f"every rank timed out waiting{same}; none stands out"
+        return _verdict(ev, "hang", [], summary, _hang_advice(ev, []))
+    r = blamed[0]
+    age = ev.age(r)
+    if not r.flight:
+        how = "it left no flight record here (written on another node?)"
+    elif age is not None and age >= ev.stale_s:
+        how = f"its flight record stopped {age:.0f} s before the last one written"
+    else:
+        how = f"it stayed outside the collective the others were in (its seq {r.seq})"
+    if waiting:
+        how += f"; rank(s) {', '.join(str(w.rank) for w in waiting)} timed out waiting for it"
+    return _verdict(ev, "hang", blamed, f"{_who(r)} hung {_where(ev, r)}: {how}",
+                    _hang_advice(ev, blamed))  # fmt: skip
+
+
+def _partition(ev: Evidence) -> dict[str, Any] | None:
+    """Ranks on several hosts, none failing by itself, all alive until they timed out on
+    each other (or naming the far host's address, or going silent as one host)."""
+    groups = _host_groups(ev)
+    if len(groups) < 2:
+        return None
+    ranks = list(ev.ranks.values())
+    if any(r.kind in ("own", "oom") for r in ranks):
+        return None
+    near = _near_group(ev, groups)
+    far = [g for g in groups if g != near]
+    near_seqs = {r.seq for r in groups[near]}
+    peer_failure = ("timeout", "connection")
+    mentioned = _mentioned_addrs(groups[near])
+    if any(r.host.get("addr") in mentioned for g in far for r in groups[g]):
+        cut = [g for g in far if any(r.host.get("addr") in mentioned for r in groups[g])]
+        why = "the ranks on this side report its address unreachable"
+    elif all(r.kind in peer_failure for r in ranks) and len({r.seq for r in ranks}) == 1:
+        cut = far
+        why = (
+            "ranks on both sides were alive and timed out waiting for each other in the "
+            f"same collective (seq {ranks[0].seq})"
+        )
+    else:
+        # alive (or frozen together) in the collective the near side timed out in, with
+        # no exit of theirs seen by the near side's agent
+        cut = [
+            g for g in far
+            if all(r.status == "running" and not r.agent and r.seq in near_seqs
+                   for r in groups[g])
+        ]  # fmt: skip
+        if not cut or not all(r.kind in peer_failure for r in groups[near]):
+            return None
+        why = (
+            "its ranks did not answer in the collective the others timed out in (no failure "
+            "of their own, no exit seen by the other side's agent)"
+        )
+    blamed = [r for g in cut for r in groups[g]]
+    step = max(r.steps_done for r in ranks)
+    names = " and ".join(_host_label(groups[g][0]) for g in cut)
+    summary = f"host {names} became unreachable after step {step}: {why}"
+    return _verdict(ev, "network_partition", blamed, summary, _partition_advice(ev, blamed))
+
+
+def _host_groups(ev: Evidence) -> dict[tuple, list[Rank]]:
+    """Ranks by host. Where the records cannot tell hosts apart, the agent's own ranks
+    (it lists only the workers of its node) against the failed ranks it does not list."""
+    groups: dict[tuple, list[Rank]] = {}
+    for r in sorted(ev.ranks.values(), key=lambda r: r.rank):
+        groups.setdefault(r.group(), []).append(r)
+    if len(groups) > 1 or not ev.agent:
+        return groups
+    local = [r for r in ev.ranks.values() if r.agent]
+    elsewhere = [r for r in ev.ranks.values() if not r.agent and r.status != "finished"]
+    if local and elsewhere:
+        return {("agent", 0): local, ("elsewhere", 1): elsewhere}
+    return groups
+
+
+def _near_group(ev: Evidence, groups: dict[tuple, list[Rank]]) -> tuple:
+    """The side the job is run from: global rank 0's host (the store's side)."""
+    for key, members in groups.items():
+        if any(r.rank == 0 for r in members):
+            return key
+    return next(iter(groups))
+
+
+def _mentioned_addrs(ranks: list[Rank]) -> set[str]:
+    found: set[str] = set()
+    for r in ranks:
+        if r.kind in ("connection", "timeout"):
+            found.update(_IPV4.findall(r.error or ""))
+    return found - {"127.0.0.1"}
+
+
+def _lowest_seq(ev: Evidence) -> list[Rank]:
+    seqs = {r.seq for r in ev.ranks.values() if r.seq is not None}
+    if len(seqs) < 2:
+        return []
+    low = min(seqs)
+    return [r for r in ev.ranks.values() if r.seq == low]
+
+
+def _completed(ev: Evidence) -> dict[str, Any]:
+    report = ev.report or {}
+    stragglers = report.get("stragglers") or []
+    restarts = report.get("restarts") or []
+    again = f" after {len(restarts)} restart(s)" if restarts else ""
+    if stragglers:
+        worst = max(stragglers, key=lambda s: s.get("slowdown") or 0)
+        blamed = [ev.ranks.get(s["rank"]) or Rank(s["rank"]) for s in stragglers]
+        for b, s in zip(blamed, stragglers, strict=True):
+            b.host = b.host or {"host": s.get("host")}
+        summary = (
+            f"the run completed{again}; {_who(blamed[stragglers.index(worst)])} was a "
+            f"straggler: {worst.get('slowdown', 0):.2f}x the median rank's own work per step"
+        )
+        return _verdict(ev, "straggler", blamed, summary, _straggler_advice(stragglers))
+    summary = f"the run completed {report.get('steps', '?')} steps{again} without a fault"
+    return _verdict(ev, "ok", [], summary, [])
+
+
+def _stopped(ev: Evidence) -> dict[str, Any]:
+    report = ev.report or {}
+    stopped = report.get("stopped") if report.get("status") == "stopped" else None
+    sig = ev.stopped_by or (stopped or {}).get("signal") or "a signal"
+    if stopped:
+        summary = (
+            f"the run was stopped by {sig} after step {stopped['step']} with a checkpoint; "
+            "the same command resumes from it"
+        )
+    else:
+        summary = (
+            f"the run was stopped by {sig} before its workers confirmed a checkpoint; the "
+            "same command resumes from the last checkpoint"
+        )
+    result = _verdict(ev, "stopped", [], summary, [])
+    result["step"] = (stopped or {}).get("step")
+    return result
+
+
+def _live(ev: Evidence) -> dict[str, Any]:
+    ranks = list(ev.ranks.values())
+    if not ranks:
+        return _verdict(ev, "unknown", [], "no flight record, failure or report yet", [])
+    stale = [r for r in ranks if (ev.age(r) or 0) >= ev.stale_s]
+    if stale and len(stale) == len(ranks):
+        summary = (
+            "every rank stopped writing its flight record without recording a failure: the "
+            "job was ended from outside (launcher killed, node lost) or the records are not "
+            "on this machine"
+        )
+        return _verdict(ev, "unknown", [], summary, [])
+    if stale:
+        return _hang(ev, stale)
+    progress = max(r.flight.get("last_progress") or 0 for r in ranks)
+    if ev.now - progress > ev.timeout_s:
+        return _hang(ev, _lowest_seq(ev))
+    step = min(r.steps_done for r in ranks)
+    return _verdict(ev, "running", [], f"the run is in progress (step {step}); no fault seen", [])
+
+
+# --- words -----------------------------------------------------------------------------
+
+
+def _earliest(ranks: list[Rank]) -> Rank:
+    return min(ranks, key=lambda r: (r.failed_at or float("inf"), r.rank))
+
+
+def _host_label(r: Rank) -> str:
+    host, addr = r.host.get("host") or "?", r.host.get("addr")
+    return f"{host} ({addr})" if addr and addr != "127.0.0.1" else host
+
+
+def _who(r: Rank) -> str:
+    pid = f", pid {r.pid}" if r.pid else ""
+    return f"rank {r.rank} (host {_host_label(r)}{pid})"
+
+
+def _step_of(ev: Evidence, r: Rank) -> tuple[int, bool]:
+    """(step, inside it): the step a rank was in when it failed (1-based), or the last
+    one it finished. Ranks move in lockstep through the collectives: a peer that finished
+    step N means this rank got that far, even if its own record was written earlier."""
+    done = r.steps_done
+    peers = [p.steps_done for p in ev.ranks.values() if p is not r and p.flight]
+    if peers and min(peers) > done:
+        return min(peers), False
+    f = r.flight
+    inside = f.get("phase") in _STEP_PHASES and (f.get("phase_since") or 0) >= (
+        f.get("last_progress") or 0
+    )
+    return (done + 1, True) if inside else (done, False)
+
+
+def _where(ev: Evidence, r: Rank) -> str:
+    step, inside = _step_of(ev, r)
+    if inside:
+        return f"in {r.flight.get('phase')} at step {step}"
+    if r.flight.get("phase") == "checkpoint" and step == r.steps_done:
+        return f"checkpointing after step {step}"
+    return f"after step {step}" if step else "before the first step"
+
+
+def _log(ev: Evidence, r: Rank) -> str:
+    return str((r.agent or {}).get("log") or ev.run_dir / "logs" / f"rank-{r.rank}.log")
+
+
+def _oom_advice(ev: Evidence, r: Rank) -> list[str]:
+    train = ev.config.get("train") or {}
+    micro = train.get("micro_batch")
+    mem = (r.flight.get("memory") or {}).get("cuda_max_allocated_bytes") or (
+        r.flight.get("memory") or {}
+    ).get("rss_bytes")
+    peak = f" (it held {mem / 2**30:.2f} GiB)" if mem else ""
+    return [
+        f"rank {r.rank} ran out of memory{peak}: lower train.micro_batch"
+        + (f" (now {micro}; the global batch stays, by gradient accumulation)" if micro else ""),
+        "or recompute activations: train.activation_checkpointing: full",
+        "or shard the model states across ranks: parallel.zero: 3 (or more ranks); "
+        "`meshforge plan` estimates memory per rank before a run",
+    ]
+
+
+def _crash_advice(ev: Evidence, r: Rank | None) -> list[str]:
+    if r is None:
+        return [f"read the ranks' logs in {ev.run_dir / 'logs'}"]
+    advice = [f"read rank {r.rank}'s log: {_log(ev, r)}"]
+    if r.signal == "SIGKILL":
+        advice.append(
+            f"a SIGKILL nobody in the job sent: on host {_host_label(r)} look for the kernel's "
+            "OOM killer (`dmesg | grep -i -e oom -e killed`) or the scheduler's limits"
+        )
+    elif r.signal:
+        advice.append(f"{r.signal} is a crash in native code: the log's last lines, a core dump")
+    advice.append("train.max_restarts: N restarts the workers from the newest checkpoint")
+    return advice
+
+
+def _hang_advice(ev: Evidence, blamed: list[Rank]) -> list[str]:
+    advice = []
+    for r in blamed[:4]:
+        advice.append(
+            f"while it hangs, `py-spy dump --pid {r.pid or 'PID'}` on host {_host_label(r)} "
+            f"shows where rank {r.rank} is stuck"
+        )
+    advice += [
+        "rerun with NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL) to log the "
+        "collective each rank enters",
+        f"runtime.step_timeout_s (now {ev.timeout_s:.0f} s) bounds how long the others wait",
+    ]
+    return advice
+
+
+def _partition_advice(ev: Evidence, blamed: list[Rank]) -> list[str]:
+    far = ", ".join(sorted({_host_label(r) for r in blamed}))
+    return [
+        f"check the link to {far}: `ping`, `ip link` (is the interface up?)",
+        "check firewalls: the rendezvous port and the ports gloo/NCCL open between nodes "
+        "must accept TCP from every node",
+        "pin the cluster network: --iface NAME (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME); `meshforge preflight` checks reachability before a run",
+    ]
+
+
+def _straggler_advice(stragglers: list[dict[str, Any]]) -> list[str]:
+    hosts = ", ".join(sorted({str(s.get("host") or "?") for s in stragglers}))
+    return [
+        f"look at {hosts}: other processes (top, nvidia-smi), clocks and thermal throttling, "
+        "a slower device or link",
+        "the metrics rows name stragglers per interval (metrics.jsonl: stragglers, own_s_per_rank)",
+    ]
+
+
+# --- the result ------------------------------------------------------------------------
+
+
+def _waits(ev: Evidence, blamed: list[Rank]) -> list[dict[str, Any]]:
+    """Who waited for whom: ranks further along the collective sequence (or that timed
+    out) waited for the lowest sequence, or for the ranks to blame."""
+    seqs = [r.seq for r in ev.ranks.values() if r.seq is not None]
+    low = min(seqs) if seqs else None
+    targets = blamed or [r for r in ev.ranks.values() if low is not None and r.seq == low]
+    waits = []
+    for r in sorted(ev.ranks.values(), key=lambda r: r.rank):
+        if r in targets:
+            continue
+        ahead = r.seq is not None and low is not None and r.seq > low
+        if ahead or r.kind == "timeout":
+            waits.append({
+                "rank": r.rank,
+                "seq": r.seq,
+                "phase": r.flight.get("phase"),
+                "call": r.flight.get("call"),
+                "waited_for": [t.rank for t in targets],
+                "their_seq": [t.seq for t in targets],
+            })  # fmt: skip
+    return waits
+
+
+def _row(ev: Evidence, r: Rank) -> dict[str, Any]:
+    f = r.flight
+    exitcode = (r.agent or {}).get("exitcode")
+    age = ev.age(r)
+    return {
+        "rank": r.rank,
+        "host": r.host.get("host"),
+        "addr": r.host.get("addr"),
+        "pid": r.pid,
+        "attempt": f.get("attempt"),
+        "status": r.status,
+        "exit": None if exitcode is None else describe_exit(exitcode),
+        "exitcode": exitcode,
+        "signal": r.signal,
+        "steps_done": r.steps_done if f else None,
+        "phase": f.get("phase"),
+        "call": f.get("call"),
+        "collective_seq": r.seq,
+        "calls": f.get("calls"),
+        "record_age_s": None if age is None else round(age, 2),
+        "stale": age is not None and age >= ev.stale_s,
+        "error": r.error,
+        "error_kind": r.kind,
+        "rss_bytes": (f.get("memory") or {}).get("rss_bytes"),
+        "log": _log(ev, r),
+    }
+
+
+def _verdict(
+    ev: Evidence, verdict: str, blamed: list[Rank], summary: str, advice: list[str]
+) -> dict[str, Any]:
+    report = ev.report or {}
+    first = blamed[0] if blamed else None
+    step, inside = _step_of(ev, first) if first is not None and first.flight else (None, False)
+    status = report.get("status") if report.get("status") in ("completed", "stopped") else None
+    status = status or ("stopped" if ev.stopped_by else "running" if ev.live else "failed")
+    return {
+        "verdict": verdict,
+        "summary": summary,
+        "run_dir": str(ev.run_dir),
+        "status": status,
+        "ranks": [r.rank for r in blamed],
+        "hosts": [{"rank": r.rank, **r.host} for r in blamed],
+        "step": step,
+        "in_step": inside,
+        "phase": first.flight.get("phase") if first is not None else None,
+        "evidence": {
+            "ranks": [_row(ev, r) for r in sorted(ev.ranks.values(), key=lambda r: r.rank)],
+            "waits": _waits(ev, blamed) if verdict in ("hang", "network_partition") else [],
+            "timeout_s": ev.timeout_s,
+            "stale_after_s": ev.stale_s,
+            "stragglers": report.get("stragglers") or [],
+            "restarts": report.get("restarts") or [],
+        },
+        "advice": advice,
+    }
