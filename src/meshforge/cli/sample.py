@@ -55,19 +55,14 @@ def load_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
     cfg = load_config(config)
     found_step, path = _checkpoint_dir(run_dir, step)
 
-    import torch.distributed.checkpoint as dcp  # after the checks: bad input answers fast
-
-    from meshforge.models.gpt import GPT
+    from meshforge.models.gpt import GPT  # after the checks: bad input answers fast
+    from meshforge.train.checkpoint import read_dcp
 
     model = GPT(cfg.model)
     state = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # DCP warns that it runs without a process group
-            warnings.simplefilter("ignore")
-            dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"cannot load model weights from {path}: {first}") from None
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore")
+        read_dcp(state, path)  # tensors and plain data only; CheckpointError otherwise
     model.load_state_dict(state["model"])
     return model.eval(), found_step
 

@@ -1,0 +1,300 @@
+"""A run directory belongs to one job at a time.
+
+A job holds an exclusive `flock` on RUN_DIR/.lock for as long as it runs, and writes
+into that file who holds it (host, pid, job id, since when), so a second job on the
+same directory is refused in one line that names the first. The kernel drops the lock
+when the holding process ends, however it ends, so a crashed job leaves no stale lock:
+the text left in the file is then only history. The check comes before anything is
+written; a refused job changes nothing in the directory.
+
+Who holds it:
+- A launcher that runs the whole job from one process (`meshforge train` on one node,
+  `meshforge submit mpi`) takes it before it writes anything (config.yaml included) and
+  keeps it while its workers run. It tells them with MESHFORGE_RUN_LOCK_HELD=<run dir>
+  (`mark_held_for_workers`), which they inherit; mpirun forwards MESHFORGE_* to every
+  host.
+- Otherwise (one `meshforge train` agent per node on a shared run directory, srun,
+  Kubernetes, plain torchrun) global rank 0's worker takes it (`worker_run_lock`).
+  After an elastic restart the new rank 0 takes it again; if its dead predecessor of
+  the same job still holds it (an NFS lock outlives a lost node by the lease time), it
+  waits for it a bounded time. The agents of such a job only check that no *other* job
+  holds the directory (`check_run_dir_free`), so they never refuse each other.
+
+Across nodes the run directory is on shared storage; on NFS, Linux emulates flock with
+whole-file POSIX locks, which the server arbitrates. With those, closing any other
+descriptor of the lock file in the holding process would drop the lock, so the holder
+reads and writes the file only through the descriptor it locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from meshforge.errors import ConfigError, MeshforgeError
+
+LOCK_FILE = ".lock"
+RUN_LOCK_HELD_ENV = "MESHFORGE_RUN_LOCK_HELD"
+JOB_ID_ENV = "MESHFORGE_JOB_ID"
+
+# A peer may hold the lock for an instant while it checks (`check_run_dir_free`), or may
+# have taken it and not yet written its name: contention shorter than this is retried.
+CONTENTION_GRACE_S = 0.5
+# How long a new rank 0 waits for a dead predecessor of its own job to let go: more
+# than NFSv4's default 90 s lease, after which the server drops a lost client's locks.
+SAME_JOB_WAIT_S = 120.0
+_POLL_S = 0.05
+
+# flock on a file system that cannot lock: warn and run unlocked rather than refuse.
+_LOCKS_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunDirInUse(MeshforgeError):
+    """The run directory is held by another job."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a run directory, as written into its lock file."""
+
+    host: str
+    pid: int
+    job_id: str
+    since: float  # time.time() when it took the lock
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on host {self.host} since {when}"
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        try:
+            d = json.loads(text)
+            return cls(str(d["host"]), int(d["pid"]), str(d["job_id"]), float(d["since"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def job_id_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """This process's job, the same on every rank and node of one job: the id its
+    launcher exported (MESHFORGE_JOB_ID), else the elastic agent's rendezvous id, Slurm's
+    job id or OpenMPI's namespace, else host:pid (a job of its own)."""
+    env = os.environ if environ is None else environ
+    if env.get(JOB_ID_ENV):
+        return env[JOB_ID_ENV]
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":  # torchrun's static rendezvous has run id "none"
+        return torchrun_job_id(run_id, None, None)
+    for key in ("SLURM_JOB_ID", "PMIX_NAMESPACE"):
+        if env.get(key):
+            return f"{key}={env[key]}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def torchrun_job_id(rdzv_id: str | None, master_addr: str | None, master_port: int | None) -> str:
+    """A multi-node `meshforge train` job's id, the same on every node: the rendezvous id,
+    or, under a static rendezvous (run id "none"), the master's address and port, which
+    no two live jobs share. Its launchers export it (`export_job_id`) so that the workers
+    name the same job whatever the rendezvous."""
+    if rdzv_id and rdzv_id != "none":
+        return f"rdzv={rdzv_id}"
+    return f"static={master_addr or '127.0.0.1'}:{master_port or 29500}"
+
+
+def export_job_id(job_id: str, environ: MutableMapping[str, str] | None = None) -> None:
+    env = os.environ if environ is None else environ
+    env[JOB_ID_ENV] = job_id
+
+
+def _key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"meshforge: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _in_use(run_dir: Path, holder: Holder | None) -> RunDirInUse:
+    who = holder.describe() if holder else "holder unknown"
+    return RunDirInUse(
+        f"run directory {run_dir} is in use by another job ({who}); "
+        "use another run directory or wait for that job to end"
+    )
+
+
+class RunDirLock:
+    """An exclusive hold on a run directory; a context manager once acquired."""
+
+    def __init__(
+        self, run_dir: Path, job_id: str | None = None, warn: Callable[[str], None] = _warn_stderr
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.job_id = job_id or job_id_from_env()
+        self.warn = warn
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _open(self) -> int:
+        """The lock file's descriptor (created if need be; nothing else is written)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot use run directory {self.run_dir}: {exc.strerror or exc}"
+            ) from None
+
+    def _lock(self, fd: int, wait_same_job_s: float) -> bool:
+        """flock FD; False where the file system cannot lock."""
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                holder = read_holder(self.run_dir)
+                waited = time.monotonic() - start
+                same_job = holder is not None and holder.job_id == self.job_id
+                if waited < CONTENTION_GRACE_S or (same_job and waited < wait_same_job_s):
+                    time.sleep(_POLL_S)
+                    continue
+                raise _in_use(self.run_dir, holder) from None
+            except OSError as exc:
+                if exc.errno not in _LOCKS_UNSUPPORTED:
+                    raise
+                self.warn(
+                    f"cannot lock run directory {self.run_dir} ({exc.strerror}): "
+                    "make sure no other job uses it"
+                )
+                return False
+
+    def acquire(self, wait_same_job_s: float = 0.0) -> RunDirLock:
+        """Take the lock or raise RunDirInUse naming its holder. A holder of this same job
+        (a dead predecessor whose lock has not yet been dropped) is waited for up to
+        `wait_same_job_s`."""
+        if self._fd is not None:
+            return self
+        fd = self._open()
+        try:
+            locked = self._lock(fd, wait_same_job_s)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
+            os.close(fd)
+            return self
+        self._fd = fd
+        holder = Holder(socket.gethostname(), os.getpid(), self.job_id, time.time())
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(asdict(holder)).encode(), 0)
+        except OSError as exc:  # a full disk must not stop the job: the lock itself holds
+            self.warn(f"cannot record the holder of {self.path}: {exc.strerror}")
+        return self
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # before unlocking: the next holder's text is never cut
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def hold_run_dir(
+    run_dir: Path,
+    job_id: str | None = None,
+    *,
+    wait_same_job_s: float = 0.0,
+    warn: Callable[[str], None] = _warn_stderr,
+) -> RunDirLock:
+    """Take RUN_DIR for this job, before anything is written into it; raises RunDirInUse
+    (exit 2, one line) when another job holds it. Release with `.release()` or use the
+    returned lock as a context manager: `with hold_run_dir(run_dir, job_id): ...`."""
+    return RunDirLock(run_dir, job_id, warn).acquire(wait_same_job_s)
+
+
+def read_holder(run_dir: Path) -> Holder | None:
+    """Who holds (or last held) RUN_DIR, from its lock file; None if unknown."""
+    try:
+        return Holder.parse((Path(run_dir) / LOCK_FILE).read_text())
+    except OSError:
+        return None
+
+
+def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
+    """Raise RunDirInUse if a job other than `job_id` holds RUN_DIR (any job, without
+    one). For those who write into RUN_DIR without holding it: the agents of a
+    multi-node job (whose global rank 0 holds it) and a submitter whose job runs later
+    (`meshforge submit slurm` writes config.yaml). Writes nothing."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: nobody has ever held it (or it cannot be locked at all)
+    try:
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # free; closing the descriptor drops our instant's hold
+            except BlockingIOError:
+                holder = read_holder(run_dir)
+                if holder is not None and holder.job_id == job_id:
+                    return  # this job's global rank 0 holds it
+                if time.monotonic() - start < CONTENTION_GRACE_S:
+                    time.sleep(_POLL_S)
+                    continue
+                raise _in_use(Path(run_dir), holder) from None
+            except OSError:
+                return  # locks unsupported here; the holder warns
+    finally:
+        os.close(fd)
+
+
+def mark_held_for_workers(run_dir: Path, environ: MutableMapping[str, str] | None = None) -> None:
+    """Tell the workers (through the environment they inherit) that the launcher holds
+    RUN_DIR, so that their rank 0 does not try to take it too."""
+    env = os.environ if environ is None else environ
+    env[RUN_LOCK_HELD_ENV] = _key(run_dir)
+
+
+def held_by_launcher(run_dir: Path, environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(RUN_LOCK_HELD_ENV) == _key(run_dir)
+
+
+def worker_run_lock(
+    run_dir: Path,
+    rank: int,
+    environ: Mapping[str, str] | None = None,
+    wait_same_job_s: float = SAME_JOB_WAIT_S,
+) -> contextlib.AbstractContextManager[Any]:
+    """What a worker holds for its job's lifetime: RUN_DIR's lock if it is global rank 0
+    and its launcher does not hold it already, else nothing. Enter it before the worker
+    writes anything into RUN_DIR."""
+    if rank != 0 or held_by_launcher(run_dir, environ):
+        return contextlib.nullcontext()
+    return hold_run_dir(run_dir, job_id_from_env(environ), wait_same_job_s=wait_same_job_s)
