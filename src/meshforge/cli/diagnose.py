@@ -26,6 +26,11 @@ def _short(text: str | None, width: int = 72) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _host(row: dict[str, Any]) -> str:
+    addr = row.get("addr")
+    return f"{row['host']} ({addr})" if addr and addr != "127.0.0.1" else _cell(row["host"])
+
+
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
@@ -39,7 +44,7 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         table = [
             [
                 str(r["rank"]),
-                r["host"] if not r.get("addr") else f"{r['host']} ({r['addr']})",
+                _host(r),
                 _cell(r["pid"]),
                 r["status"],
                 _cell(r["exit"]),

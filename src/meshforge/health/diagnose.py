@@ -1,12 +1,6 @@
-"""What happened to a run, from what it left in its run directory.
-
-The evidence, all under RUN_DIR: each rank's flight record (health/flight-rank-K.json:
-status, phase, steps done, the torch.distributed call it is in, the process group's
-collective sequence number, when it was last written), the errors the ranks recorded
-themselves (health/failure-rank-K.json), the elastic agent's record of how each
-process ended (exit code or signal: health/diagnosis.json, or the `failure` in
-report.json), report.json (status, stragglers, a stop, restarts) and config.yaml (the
-timeouts that applied).
+"""What happened to a run, in one verdict, from what it left in its run directory
+(health/evidence.py reads it: flight records, the ranks' own errors, the agent's exit
+codes and signals, report.json, config.yaml).
 
 The verdict, in this order:
 
@@ -28,25 +22,21 @@ The verdict, in this order:
   nothing to go on.
 
 `diagnose_run` returns a dict: verdict, a one-line summary, the ranks and hosts to
-blame, the evidence (one row per rank, and who waited for whom) and advice. The
-launcher writes it to health/diagnosis.json when a run fails or is stopped;
-`meshforge diagnose RUN_DIR` prints it.
+blame, the evidence (one row per rank, and who waited for whom) and advice.
+`write_diagnosis` is what the launcher calls when a run fails or is stopped (it
+writes health/diagnosis.json); `meshforge diagnose RUN_DIR` prints it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-import signal
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from meshforge.errors import MeshforgeError
-from meshforge.launch.local import describe_exit, recorded_failures
+from meshforge.health.evidence import Evidence, Rank, collect
+from meshforge.launch.local import describe_exit
 
 VERDICTS = (
     "rank_crashed",
@@ -62,215 +52,7 @@ VERDICTS = (
 
 # Phases inside a training step (a rank in one of them is working on step done + 1).
 _STEP_PHASES = {"data", "forward", "backward", "forward_backward", "optimizer", "metrics", "eval"}
-_OOM_TEXT = ("outofmemoryerror", "out of memory", "cannot allocate memory", "memoryerror")
-_TIMEOUT_TEXT = ("timed out", "timeout", "deadline exceeded")
-_CONNECTION_TEXT = (
-    "connection reset",
-    "reset by peer",
-    "closed by peer",
-    "connection closed",
-    "connection was likely closed",
-    "broken pipe",
-    "connection refused",
-    "connectfullmesh",
-    "no route to host",
-    "network is unreachable",
-    "host is unreachable",
-)
 _IPV4 = re.compile(r"\b(\d{1,3}(?:\.\d{1,3}){3})\b")
-
-
-class NotARunDirectory(MeshforgeError):
-    """The path holds no run: no config.yaml, report.json or health/ records."""
-
-
-def error_kind(text: str | None) -> str | None:
-    """oom, timeout, connection (a peer's broken connection) or own (anything else)."""
-    if not text:
-        return None
-    low = text.lower()
-    if any(m in low for m in _OOM_TEXT):
-        return "oom"
-    if any(m in low for m in _TIMEOUT_TEXT):
-        return "timeout"
-    if any(m in low for m in _CONNECTION_TEXT):
-        return "connection"
-    return "own"
-
-
-def signal_of(exitcode: int | None) -> str | None:
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
-@dataclass
-class Rank:
-    """One rank as the evidence shows it (flight record, own failure, agent's record)."""
-
-    rank: int
-    flight: dict[str, Any] = field(default_factory=dict)
-    failure: dict[str, Any] | None = None  # health/failure-rank-K.json
-    agent: dict[str, Any] | None = None  # the agent's entry: exit code, signal, error
-    host: dict[str, Any] = field(default_factory=dict)  # host, addr, node when known
-
-    @property
-    def status(self) -> str:
-        return self.flight.get("status") or ("failed" if self.failure else "unknown")
-
-    @property
-    def error(self) -> str | None:
-        if self.failure and self.failure.get("error"):
-            return self.failure["error"]
-        if self.flight.get("error"):
-            return self.flight["error"]
-        if self.agent and self.agent.get("exitcode", 0) >= 0:
-            err = self.agent.get("error") or ""
-            return None if err.startswith("no error recorded") else err or None
-        return None
-
-    @property
-    def kind(self) -> str | None:
-        if self.flight.get("oom"):
-            return "oom"
-        return error_kind(self.error)
-
-    @property
-    def signal(self) -> str | None:
-        return signal_of((self.agent or {}).get("exitcode"))
-
-    @property
-    def failed_at(self) -> float | None:
-        if self.failure and self.failure.get("time"):
-            return float(self.failure["time"])
-        return self.flight.get("time") if self.status == "failed" else None
-
-    @property
-    def steps_done(self) -> int:
-        return int(self.flight.get("step") or 0)
-
-    @property
-    def seq(self) -> int | None:
-        return self.flight.get("collective_seq")
-
-    @property
-    def pid(self) -> int | None:
-        return self.flight.get("pid") or (self.agent or {}).get("pid")
-
-    def group(self) -> tuple:
-        """What tells this rank's host apart: the launcher's node number, else name and
-        address (namespace hosts share a name but not an address)."""
-        h = self.host
-        if h.get("node") is not None:
-            return ("node", h["node"])
-        return (h.get("host"), h.get("addr"))
-
-
-@dataclass
-class Evidence:
-    run_dir: Path
-    ranks: dict[int, Rank]
-    config: dict[str, Any]
-    report: dict[str, Any] | None
-    agent: dict[str, Any] | None  # {first_failure, failures, time}
-    stopped_by: str | None
-    now: float  # the moment the evidence describes: the last record, or now for a live run
-    live: bool  # no failure, stop or completion recorded: the run may still be going
-    missing: list[int] = field(default_factory=list)  # ranks of the world with no record
-
-    def setting(self, section: str, key: str, default: Any) -> Any:
-        value = (self.config.get(section) or {}).get(key)
-        return default if value is None else value
-
-    @property
-    def timeout_s(self) -> float:
-        """The collective timeout in force: start-up's until the first step is done."""
-        started = any(r.steps_done > 0 for r in self.ranks.values())
-        step_timeout = self.setting("runtime", "step_timeout_s", 120.0)
-        return float(step_timeout if started and step_timeout else self.setting(
-            "runtime", "timeout_s", 300.0))  # fmt: skip
-
-    @property
-    def stale_s(self) -> float:
-        """A flight record this much older than the newest one has stopped being written."""
-        every = float(self.setting("observe", "flight_every_s", 5.0))
-        return max(3 * every, 0.5 * self.timeout_s)
-
-    def age(self, r: Rank) -> float | None:
-        t = r.flight.get("time")
-        return None if t is None else max(0.0, self.now - t)
-
-
-# --- reading the run directory ---------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def collect(
-    run_dir: Path, agent_failures: dict | None = None, stopped_by: str | None = None
-) -> Evidence:
-    run_dir = Path(run_dir)
-    health = run_dir / "health"
-    if not run_dir.is_dir():
-        raise NotARunDirectory(f"{run_dir}: no such directory")
-    if not any((run_dir / p).exists() for p in ("config.yaml", "report.json", "health")):
-        raise NotARunDirectory(
-            f"{run_dir} is not a meshforge run directory (no config.yaml, report.json or health/)"
-        )
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        config = {}
-    report = _read_json(run_dir / "report.json")
-    agent = agent_failures or _read_json(health / "diagnosis.json")
-    if agent is None and report and isinstance(report.get("failure"), dict):
-        agent = report["failure"]
-    ranks: dict[int, Rank] = {}
-
-    def rank(k: int) -> Rank:
-        return ranks.setdefault(k, Rank(k))
-
-    for path in sorted(health.glob("flight-rank-*.json")):
-        record = _read_json(path)
-        if record is not None and isinstance(record.get("rank"), int):
-            rank(record["rank"]).flight = record
-    flight_times = [r.flight["time"] for r in ranks.values() if r.flight.get("time")]
-    started = min((r.flight.get("started") or 0 for r in ranks.values()), default=0)
-    if agent is not agent_failures and (agent or {}).get("time", started) < started:
-        agent = None  # a record of an earlier launch in the same run directory
-    for record in recorded_failures(health) if health.is_dir() else []:
-        # a failure record older than this attempt's flight record is an earlier attempt's
-        r = rank(int(record["rank"]))
-        if record.get("time", 0) >= r.flight.get("started", 0):
-            r.failure = record
-    for entry in (agent or {}).get("failures") or []:
-        if isinstance(entry.get("rank"), int):
-            rank(entry["rank"]).agent = entry
-    hosts = (report or {}).get("hosts") or []
-    for r in ranks.values():
-        known = hosts[r.rank] if r.rank < len(hosts) and isinstance(hosts[r.rank], dict) else {}
-        r.host = {
-            "host": r.flight.get("host") or known.get("host"),
-            "addr": r.flight.get("addr") or known.get("addr"),
-            "node": r.flight.get("node", known.get("node")),
-        }
-    failed = agent is not None or any(r.status == "failed" for r in ranks.values())
-    finished = report is not None and report.get("status") in ("completed", "stopped")
-    live = not failed and not finished and stopped_by is None
-    stamps = flight_times + [r.failure["time"] for r in ranks.values() if r.failure]
-    now = time.time() if live or not stamps else max(stamps)
-    world = max((r.flight.get("world_size") or 0 for r in ranks.values()), default=0)
-    missing = [k for k in range(world) if k not in ranks]
-    return Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
 
 
 # --- judging ---------------------------------------------------------------------------
@@ -283,6 +65,30 @@ def diagnose_run(
     (first_failure, failures) when the launcher has one in hand; `stopped_by`: the
     signal that stopped the launcher (SIGTERM, SIGINT)."""
     return judge(collect(run_dir, agent_failures, stopped_by))
+
+
+def write_diagnosis(
+    run_dir: Path, agent_failures: dict | None = None, stopped_by: str | None = None
+) -> dict[str, Any]:
+    """The launcher's side: the agent's record (time, first_failure, failures, kept as
+    they are) with the diagnosis added, written to RUN_DIR/health/diagnosis.json and
+    returned. A diagnosis that cannot be made never hides the failure itself: the
+    agent's record is written alone, with the reason."""
+    from meshforge.launch.train import write_atomic
+
+    record = dict(agent_failures or {})
+    try:
+        record.update(diagnose_run(run_dir, agent_failures, stopped_by))
+    except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
+        logging.getLogger(__name__).warning("no diagnosis: %s", exc)
+        record["diagnosis_error"] = f"{type(exc).__name__}: {exc}"
+    health = Path(run_dir) / "health"
+    try:
+        health.mkdir(parents=True, exist_ok=True)
+        write_atomic(health / "diagnosis.json", json.dumps(record, indent=2))
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot write %s: %s", health, exc)
+    return record
 
 
 def judge(ev: Evidence) -> dict[str, Any]:
@@ -313,9 +119,12 @@ def _failed(ev: Evidence) -> dict[str, Any]:
     if signalled:
         return _crashed_by_signal(ev, signalled)
     kinds = {r.kind for r in ranks}
-    silent = [r for r in ranks if r.status == "running"]  # did not fail by itself
+    # ranks that did not fail by themselves; the agent's own SIGTERMs last
+    silent = sorted(
+        (r for r in ranks if r.status == "running"), key=lambda r: (r.signal == "SIGTERM", r.rank)
+    )
     killed = [r for r in silent if r.signal == "SIGKILL"]
-    if killed and "connection" in kinds:
+    if killed and "timeout" not in kinds:  # its peers saw it go at once: not a hang
         return _crashed_by_signal(ev, killed)
     partition = _partition(ev)
     if partition is not None:
@@ -405,9 +214,8 @@ def _partition(ev: Evidence) -> dict[str, Any] | None:
             "of their own, no exit seen by the other side's agent)"
         )
     blamed = [r for g in cut for r in groups[g]]
-    step = max(r.steps_done for r in ranks)
     names = " and ".join(_host_label(groups[g][0]) for g in cut)
-    summary = f"host {names} became unreachable after step {step}: {why}"
+    summary = f"host {names} became unreachable {_where(ev, blamed[0])}: {why}"
     return _verdict(ev, "network_partition", blamed, summary, _partition_advice(ev, blamed))
 
 
@@ -454,7 +262,13 @@ def _completed(ev: Evidence) -> dict[str, Any]:
     report = ev.report or {}
     stragglers = report.get("stragglers") or []
     restarts = report.get("restarts") or []
-    again = f" after {len(restarts)} restart(s)" if restarts else ""
+    again = ""
+    if restarts:
+        redone = sum(r.get("steps_redone") or 0 for r in restarts)
+        again = (
+            f" after {len(restarts)} restart{'s' if len(restarts) > 1 else ''} (resumed "
+            f"from step {restarts[-1].get('resumed_from')}, {redone} step(s) redone)"
+        )
     if stragglers:
         worst = max(stragglers, key=lambda s: s.get("slowdown") or 0)
         blamed = [ev.ranks.get(s["rank"]) or Rank(s["rank"]) for s in stragglers]
@@ -465,7 +279,7 @@ def _completed(ev: Evidence) -> dict[str, Any]:
             f"straggler: {worst.get('slowdown', 0):.2f}x the median rank's own work per step"
         )
         return _verdict(ev, "straggler", blamed, summary, _straggler_advice(stragglers))
-    summary = f"the run completed {report.get('steps', '?')} steps{again} without a fault"
+    summary = f"the run completed {report.get('steps', '?')} steps" + (again or " without a fault")
     return _verdict(ev, "ok", [], summary, [])
 
 
