@@ -92,12 +92,13 @@ def write_diagnosis(
 
 
 def judge(ev: Evidence) -> dict[str, Any]:
-    report = ev.report or {}
+    # a report counts when every rank finished after writing it (not an earlier run's)
     current = all(r.status == "finished" for r in ev.ranks.values())
-    if report.get("status") == "completed" and current and ev.stopped_by is None:
+    status = (ev.report or {}).get("status") if current else None
+    if status == "completed" and ev.stopped_by is None:
         return _completed(ev)
-    if ev.stopped_by or (report.get("status") == "stopped" and current):
-        return _stopped(ev)
+    if ev.stopped_by or status == "stopped":
+        return _stopped(ev, status == "stopped")
     if ev.live:
         return _live(ev)
     return _failed(ev)
@@ -283,9 +284,8 @@ def _completed(ev: Evidence) -> dict[str, Any]:
     return _verdict(ev, "ok", [], summary, [])
 
 
-def _stopped(ev: Evidence) -> dict[str, Any]:
-    report = ev.report or {}
-    stopped = report.get("stopped") if report.get("status") == "stopped" else None
+def _stopped(ev: Evidence, reported: bool) -> dict[str, Any]:
+    stopped = (ev.report or {}).get("stopped") if reported else None
     sig = ev.stopped_by or (stopped or {}).get("signal") or "a signal"
     if stopped:
         summary = (
@@ -306,7 +306,10 @@ def _live(ev: Evidence) -> dict[str, Any]:
     ranks = list(ev.ranks.values())
     if not ranks:
         return _verdict(ev, "unknown", [], "no flight record, failure or report yet", [])
-    stale = [r for r in ranks if (ev.age(r) or 0) >= ev.stale_s]
+    if all(r.status == "finished" for r in ranks):
+        summary = "every rank finished, but there is no report.json (rank 0's log may say why)"
+        return _verdict(ev, "unknown", [], summary, [])
+    stale = [r for r in ranks if r.status == "running" and (ev.age(r) or 0) >= ev.stale_s]
     if stale and len(stale) == len(ranks):
         summary = (
             "every rank stopped writing its flight record without recording a failure: the "
