@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
 # Command modules register themselves on `app` when imported.
+from meshforge.cli import bench as _bench  # noqa: E402,F401
 from meshforge.cli import cost as _cost  # noqa: E402,F401
 from meshforge.cli import data as _data  # noqa: E402,F401
 from meshforge.cli import plan as _plan  # noqa: E402,F401
