@@ -23,9 +23,11 @@ report does) and the best such interval."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -56,6 +58,14 @@ def main() -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     dist.init_process_group("gloo")
+    result = train(args)
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    leave()
+
+
+def train(args: argparse.Namespace) -> dict[str, float]:
+    """The run; every model, mesh, optimizer and tensor of it is released on return."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     pp = args.strategy == "pp"
@@ -134,10 +144,25 @@ def main() -> None:
             now = time.perf_counter()
             rates.append(args.log_every * args.global_batch * args.seq / (now - t0))
             t0 = now
-    if rank == 0:
-        steady = rates[1:] or rates
-        print(json.dumps({"tokens_per_s": statistics.median(steady), "best": max(steady)}))
+    steady = rates[1:] or rates
+    return {"tokens_per_s": statistics.median(steady), "best": max(steady)}
+
+
+def leave() -> None:
+    """End a finished rank with exit code 0 (as meshforge.runtime.dist does, see there).
+
+    gloo's worker threads drop a finished collective after the caller has moved on, and
+    the drop takes the GIL when it frees a tensor's Python object; one still pending at
+    interpreter teardown aborts the process ("terminate called without an active
+    exception"). So: collect the run's reference cycles, leave together (the barrier
+    lets pending drops finish), destroy the groups, then end without the teardown, since
+    FSDP2's groups outlive destroy_process_group (DTensor's caches hold their mesh)."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

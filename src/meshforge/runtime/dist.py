@@ -2,11 +2,28 @@
 
 The device is chosen at run time: CUDA with NCCL when a GPU is present, else CPU
 with gloo. The group is created with a configurable timeout and always
-destroyed on exit, also when training raises."""
+destroyed on exit, also when training raises.
+
+A finished run leaves in this order (`leave_together`), so that a rank that has
+finished exits 0. gloo runs each collective on a worker thread of its own, which drops
+its reference to the finished work only after the caller has moved on; when that
+reference is the last one to a tensor whose Python object the caller has let go, the
+drop takes the GIL. If it is still waiting for the GIL when the interpreter finalises,
+Python ends the thread with pthread_exit inside a noexcept destructor: "terminate called
+without an active exception", SIGABRT, exit -6 (seen under FSDP2, whose groups stay
+alive to the very end: DTensor's caches hold their mesh). So, before the group goes:
+
+1. the run's objects that still hold groups or works through reference cycles
+   (FSDP2's modules and their last step's collectives) are collected;
+2. every rank waits for the others (`barrier`). Issuing it takes gloo's queue lock,
+   which a worker thread holds while it drops a finished work, and waiting holds no
+   GIL: the pending drops finish here, in a whole interpreter;
+3. the group is destroyed; a gloo group that nothing else holds joins its threads."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,9 +100,16 @@ def distributed(
     )
     try:
         yield Runtime(env=env, device=dev, backend=bk)
-        # Leave together: a rank that tears down while a peer still finishes its
-        # report breaks the peer's connections (seen as aborts at exit under gloo).
-        dist.barrier()
+        leave_together()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def leave_together() -> None:
+    """The end of a finished run, before the group is destroyed (steps 1 and 2 above).
+
+    The barrier also keeps a rank from tearing down while a peer still finishes its
+    report, which would break the peer's connections."""
+    gc.collect()
+    dist.barrier()
