@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover
 from meshforge.cli import bench as _bench  # noqa: E402,F401
 from meshforge.cli import cost as _cost  # noqa: E402,F401
 from meshforge.cli import data as _data  # noqa: E402,F401
+from meshforge.cli import diagnose as _diagnose  # noqa: E402,F401
 from meshforge.cli import plan as _plan  # noqa: E402,F401
 from meshforge.cli import preflight as _preflight  # noqa: E402,F401
 from meshforge.cli import sample as _sample  # noqa: E402,F401
