@@ -233,7 +233,9 @@ def test_unknown_interface_is_refused(tmp_path):
 
 def test_layout_that_does_not_fit_the_ranks(tmp_path):
     job = Job(tmp_path, {**SHORT, "parallel": {"zero": 0, "tp": 2}})
-    proc = _submit(job, "-np", "3", "--oversubscribe", "--dry-run", "--mpirun", str(_fake_mpirun(tmp_path)))
+    proc = _submit(
+        job, "-np", "3", "--oversubscribe", "--dry-run", "--mpirun", str(_fake_mpirun(tmp_path))
+    )
     assert_one_line_error(proc, "tp")
 
 

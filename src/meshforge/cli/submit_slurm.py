@@ -67,6 +67,7 @@ def slurm(
     from meshforge.config import load_config
     from meshforge.launch import slurm as sl
     from meshforge.launch.train import prepare_job
+    from meshforge.runtime.runlock import check_run_dir_free
 
     req = sl.SlurmRequest(
         nodes=nodes,
@@ -93,6 +94,7 @@ def slurm(
         max_nodes=nodes,
         run_dir=files.run_dir,
         config_file=files.config,
+        lock=check_run_dir_free,  # the job's global rank 0 takes it when it runs
     )
     sbatch, node = sl.write_scripts(req, files, prepared.cfg.name)
     if dry_run:

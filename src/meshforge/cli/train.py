@@ -6,6 +6,8 @@ than by typer: `meshforge train --help` lists them all."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -42,4 +44,11 @@ def worker(
     from meshforge.train.worker import run_worker
 
     run_worker(config, run_dir)
+    # A finished rank ends here, without the interpreter's teardown: a gloo work thread
+    # still dropping its last reference then would abort the process ("terminate called
+    # without an active exception"; runtime/dist.py leaves the group in the order that
+    # makes that rare). Everything the run wrote is flushed first.
     sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)

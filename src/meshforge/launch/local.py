@@ -6,6 +6,7 @@ own c10d or static backends."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -248,11 +249,10 @@ def run_elastic(
                 }
             )
             first_failure["error"] = cause["error"]
-        diagnosis = {"time": time.time(), "first_failure": first_failure, "failures": failures}
-        health = run_dir / "health"
-        health.mkdir(parents=True, exist_ok=True)
-        (health / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2))
-        return diagnosis
+        from meshforge.health.diagnose import write_diagnosis
+
+        agent = {"time": time.time(), "first_failure": first_failure, "failures": failures}
+        return write_diagnosis(run_dir, agent)
 
 
 def launch_training(argv: list[str]) -> int:
@@ -266,6 +266,14 @@ def launch_training(argv: list[str]) -> int:
     cfg = load_config(a.config, a.overrides)
     check_gpu_count(launch.nproc_per_node, cfg.runtime.device, a.oversubscribe)
     multi = launch.max_nodes > 1
+    from meshforge.runtime import runlock
+
+    if multi:  # global rank 0's worker holds the run directory; the agents only check
+        job_id = runlock.torchrun_job_id(a.rdzv_id, a.master_addr, a.master_port)
+        runlock.export_job_id(job_id)
+        lock = functools.partial(runlock.check_run_dir_free, job_id=job_id)
+    else:
+        lock = runlock.hold_run_dir  # held by this launcher until it exits
     # Across nodes the workers agree on one config (global rank 0's) and write
     # config.yaml themselves; each node's agent keeps its own copy under .launch/.
     config_name = (
@@ -279,7 +287,10 @@ def launch_training(argv: list[str]) -> int:
         max_nodes=launch.max_nodes,
         run_dir=a.run_dir,
         config_name=config_name,
+        lock=lock,
     )
+    if not multi:
+        runlock.mark_held_for_workers(job.run_dir)
     for line in [job.auto_line, *(f"meshforge: {n}" for n in launch.notes)]:
         if line:
             print(line, flush=True)
@@ -321,6 +332,9 @@ def launch_training(argv: list[str]) -> int:
     except SignalException as exc:
         # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers.
         name = signal.Signals(exc.sigval).name
+        from meshforge.health.diagnose import write_diagnosis
+
+        write_diagnosis(job.run_dir, stopped_by=name)
         print(f"meshforge: stopped by {name}; {_where_to_resume(job.run_dir, launched)}",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(exc.sigval)

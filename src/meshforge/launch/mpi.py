@@ -34,6 +34,7 @@ from meshforge.launch.local import (
     recorded_failures,
     root_cause,
 )
+from meshforge.runtime.runlock import hold_run_dir, mark_held_for_workers
 
 INSTALL_OPENMPI = "install OpenMPI (Debian: apt-get install openmpi-bin)"
 
@@ -317,8 +318,16 @@ def submit_mpi(
     hosts = check_launch(launch)
     mpirun_path = find_mpirun(mpirun)
     prepared = prepare_job(
-        config, overrides, nproc_per_node=launch.np, min_nodes=1, max_nodes=1, run_dir=run_dir
+        config,
+        overrides,
+        nproc_per_node=launch.np,
+        min_nodes=1,
+        max_nodes=1,
+        run_dir=run_dir,
+        lock=hold_run_dir,
     )
+    if not dry_run:
+        mark_held_for_workers(prepared.run_dir)  # before mpirun_command: it is forwarded
     if prepared.auto_line:
         print(prepared.auto_line)
     print(layout_line(prepared.cfg, launch.np, prepared.run_dir))

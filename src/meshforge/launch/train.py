@@ -7,10 +7,13 @@ each node), `meshforge submit mpi` and `meshforge submit slurm`."""
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import check_source
@@ -54,6 +57,7 @@ class PreparedJob:
     config_file: Path  # the file the workers read
     world: int | None  # None while elastic (min < max nodes)
     auto_line: str | None = None
+    run_lock: Any = None  # what `lock` returned: a held RunDirLock keeps the directory
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -72,6 +76,7 @@ def prepare_job(
     run_dir: Path | None = None,
     config_name: str = "config.yaml",
     config_file: Path | None = None,
+    lock: Callable[[Path], Any] | None = None,
 ) -> PreparedJob:
     """Load, resolve and validate the job; create the run directory; write the config the
     workers read.
@@ -92,6 +97,9 @@ def prepare_job(
     else:
         validate_for_worlds(cfg, worlds)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
+    # After validation (bad input writes nothing), before anything is written: another
+    # job's run directory is refused here (runtime/runlock.py).
+    run_lock = lock(run_dir) if lock is not None else None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -100,7 +108,7 @@ def prepare_job(
     target = Path(config_file) if config_file is not None else run_dir / config_name
     target.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, target)
-    return PreparedJob(cfg, run_dir, target, world, auto_line)
+    return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock)
 
 
 def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
@@ -124,4 +132,10 @@ def report_failure(run_dir: Path, diagnosis: dict) -> int:
         f"[log: {first['log']}]",
         file=sys.stderr,
     )
+    if diagnosis.get("summary") and diagnosis.get("verdict") not in (None, "unknown"):
+        print(
+            f"meshforge: diagnosis ({diagnosis['verdict']}): {diagnosis['summary']} "
+            f"[details: meshforge diagnose {shlex.quote(str(run_dir))}]",
+            file=sys.stderr,
+        )
     return 1

@@ -173,6 +173,10 @@ class FlightRecorder:
             return self
         _install_wrappers()
         _current = self
+        from meshforge.runtime.agree import host_of_rank
+
+        where = host_of_rank()  # the address and node tell apart hosts sharing a name
+        self.extra.update({"addr": where["addr"], "node": where["node"]})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.write()
         self._thread = threading.Thread(target=self._loop, name="meshforge-flight", daemon=True)

@@ -30,6 +30,10 @@ class StragglerWatch:
     def add_data_wait(self, seconds: float) -> None:
         self._data_s += seconds
 
+    def exclude(self, cpu_seconds: float) -> None:
+        """Leave out processor time spent on work that is not the step's (a checkpoint)."""
+        self._cpu0 += cpu_seconds
+
     def exchange(self, skip: bool = False) -> tuple[list[float], list[int]]:
         """Collective over the world: every rank's own work in the interval just ended,
         and the ranks that are stragglers now. `skip` (the first interval, start-up

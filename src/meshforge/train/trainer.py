@@ -27,6 +27,7 @@ from meshforge.config import JobConfig
 from meshforge.data.corpus import load_tokens
 from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
+from meshforge.launch.local import is_peer_failure, recorded_failures
 from meshforge.models.gpt import GPT, shape_of
 from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
@@ -141,8 +142,19 @@ class Trainer:
             return
         previous = self.flight.previous or {}
         reached = previous.get("step") if previous.get("attempt") == attempt - 1 else None
+        since = previous.get("started", 0.0)
+        failures = [r for r in recorded_failures(self.run_dir / "health") if r["time"] >= since]
+        own = [r for r in failures if not is_peer_failure(r["error"])]
+        silent = sorted(set(range(self.rt.world_size)) - {r["rank"] for r in failures})
+        if own:  # a rank's own error, not a broken connection to a peer
+            cause = min(own, key=lambda r: r["time"])
+        elif silent:  # its peers saw the connection break; it recorded nothing
+            cause = {"rank": silent[0], "error": "ended without an error (killed by a signal?)"}
+        else:
+            cause = min(failures, key=lambda r: r["time"])
         entry = {
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "cause": {"rank": cause.get("rank"), "error": cause.get("error")},
             "attempt": attempt,
             "time": time.time(),
             "resumed_from": resumed_from or 0,
@@ -271,6 +283,7 @@ class Trainer:
                 batch = next(loader)
                 data_s = loader.last_wait_s
                 self.stragglers.add_data_wait(data_s)
+                fl.set_phase("forward")
                 faults.maybe_oom(step + 1, rt.rank)
                 if ref_compute_s is None and self.accum == 1 and step == start:
                     x0, y0 = batch.micro_batches[0]
@@ -337,7 +350,10 @@ class Trainer:
                 stop = self.stop.end_step()  # the same answer on every rank
                 if (every and done % every == 0) or done == t.steps or stop:
                     fl.set_phase("checkpoint")
+                    cpu0 = time.process_time()
                     self.checkpointer.save(done, self.trainer_state(done, last_loss))
+                    # rank 0 writes more of a checkpoint: not a sign of a slow rank
+                    self.stragglers.exclude(time.process_time() - cpu0)
                     last_saved = done
                     faults.maybe_kill_after_checkpoint(done, rt.rank)
                 faults.maybe_crash(done, rt.rank)

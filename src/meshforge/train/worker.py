@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshforge.config import load_config
 from meshforge.runtime.env import detect_env
+from meshforge.runtime.runlock import worker_run_lock
 
 
 def _setup_logging(run_dir: Path, rank: int) -> Path:
@@ -79,6 +80,9 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
 
     run_dir = Path(run_dir)
     env = detect_env()
+    # Global rank 0 holds the run directory unless its launcher does (one node, mpirun);
+    # the kernel drops the lock when this process ends, however it ends.
+    _run_lock = worker_run_lock(run_dir, env.rank)
     _setup_logging(run_dir, env.rank)
     log = logging.getLogger("meshforge.worker")
     cfg = load_config(config_path)
