@@ -120,6 +120,8 @@ CASES = [
     ("unknown-schedule", {"parallel": {"pp_schedule": "dualpipe"}}, [], ["parallel.pp_schedule"]),
     ("invalid-yaml", "model: {d_model: 32\ntrain: [", [], ["invalid YAML"]),
     ("not-a-mapping", "- just\n- a list\n", [], ["mapping"]),
+    ("empty-file", "", [], ["empty"]),
+    ("only-comments", "# a job file\n# with nothing in it\n", [], ["empty"]),
     ("nproc-zero", {}, ["--nproc", "0"], ["--nproc-per-node 0", "at least one"]),
     ("bad-set-path", {}, ["--set", "train.nope=3"], ["train.nope", "no key 'nope'"]),
     ("bad-set-section", {}, ["--set", "train.steps.x=3"], ["train.steps", "not a section"]),
