@@ -99,3 +99,14 @@ def test_straggler_needs_consecutive_intervals_above_the_margin(rounds, named):
     assert result == named
     if named:
         assert watch.named[3] == pytest.approx(2.0)
+
+
+def test_point_to_point_functions_keep_their_identity(tmp_path):
+    """P2POp accepts only torch.distributed.isend/irecv themselves (pipelining uses it)."""
+    rec = FlightRecorder(tmp_path, rank=0, world_size=1, every_s=60).start()
+    try:
+        assert not hasattr(dist.isend, "__wrapped__")
+        assert not hasattr(dist.irecv, "__wrapped__")
+        assert hasattr(dist.all_reduce, "__wrapped__")  # collectives are counted
+    finally:
+        rec.close("finished")

@@ -48,10 +48,10 @@ _WRAPPED = (
     "scatter",
     "send",
     "recv",
-    "isend",
-    "irecv",
     "batch_isend_irecv",
 )
+# isend and irecv are not wrapped: torch.distributed.P2POp checks that its op *is*
+# torch.distributed.isend or irecv, and the pipeline schedules captured the originals.
 
 _current: FlightRecorder | None = None
 _installed = False
