@@ -116,7 +116,20 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
         # reset, timeout) follow this one, so the earliest record is the root cause.
         record_failure(run_dir, env.rank, exc)
         log.exception("worker failed")
+        _quiet_traceback(env.rank, run_dir)
         raise
+
+
+def _quiet_traceback(rank: int, run_dir: Path) -> None:
+    """The traceback is in the rank's log already: the console gets one line per rank
+    (torch's own hook would print every frame, prefixed, from every failing rank)."""
+    log_path = Path(run_dir) / "logs" / f"rank-{rank}.log"
+
+    def hook(exc_type, exc, tb) -> None:  # noqa: ARG001 - sys.excepthook's signature
+        text = f"{exc_type.__name__}: {exc}".strip().splitlines()[0]
+        print(f"[rank{rank}] {text} (traceback: {log_path})", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
