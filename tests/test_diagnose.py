@@ -402,3 +402,30 @@ def test_command_prints_the_summary_first_then_evidence_and_advice(tmp_path):
     assert "advice:" in text and "NCCL_DEBUG=INFO" in text
     as_json = json.loads(meshforge(["diagnose", str(run), "--json"], timeout=60).stdout)
     assert as_json["verdict"] == "hang" and as_json["ranks"] == [1]
+
+
+def test_a_later_diagnose_agrees_with_the_launchers_record_of_a_stop(tmp_path):
+    """The launcher records a stop (SIGTERM, Ctrl-C) after the workers wrote their last
+    flight records; `meshforge diagnose` afterwards reads the same verdict from it."""
+    import json as _json
+    import os as _os
+
+    from meshforge.health.diagnose import diagnose_run
+
+    health = tmp_path / "health"
+    health.mkdir()
+    now = 1_000_000.0
+    for rank in (0, 1):
+        flight = health / f"flight-rank-{rank}.json"
+        flight.write_text(_json.dumps({
+            "rank": rank, "world_size": 2, "host": "h", "pid": 10 + rank, "attempt": 0,
+            "status": "failed", "time": now, "started": now - 10, "phase": "optimizer",
+            "phase_since": now, "step": 46, "last_progress": now, "error": "KeyboardInterrupt: ",
+        }))  # fmt: skip
+        _os.utime(flight, (now, now))
+    stop = health / "diagnosis.json"
+    stop.write_text(_json.dumps({"verdict": "stopped", "stopped_by": "SIGINT"}))
+    _os.utime(stop, (now + 5, now + 5))
+    assert diagnose_run(tmp_path)["verdict"] == "stopped"
+    _os.utime(stop, (now - 5, now - 5))  # an older stop: this run's own records decide
+    assert diagnose_run(tmp_path)["verdict"] != "stopped"

@@ -168,7 +168,14 @@ def _launch(options, launch, as_json: bool) -> int:
         file=info,
         flush=True,
     )
-    result_path(options.run_dir).unlink(missing_ok=True)  # never report an older result
+    try:  # the launcher itself writes its logs there
+        (options.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        result_path(options.run_dir).unlink(missing_ok=True)  # never report an older result
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write to run directory {options.run_dir}: {exc.strerror} "
+            "(the disk check fails here already; choose another --run-dir)"
+        ) from None
     worker_args = [
         *("preflight", "--worker", "--launched", "--run-dir", str(options.run_dir)),
         *("--bandwidth-mb", str(options.bandwidth_mb), "--timeout", str(options.timeout_s)),

@@ -63,8 +63,25 @@ def diagnose_run(
 ) -> dict[str, Any]:
     """The diagnosis of RUN_DIR. `agent_failures`: the elastic agent's failure record
     (first_failure, failures) when the launcher has one in hand; `stopped_by`: the
-    signal that stopped the launcher (SIGTERM, SIGINT)."""
+    signal that stopped the launcher (SIGTERM, SIGINT). Afterwards the launcher's own
+    record of a stop (health/diagnosis.json, newer than every flight record) says which
+    signal it was, so a later `meshforge diagnose` agrees with it."""
+    if stopped_by is None and agent_failures is None:
+        stopped_by = _recorded_stop(Path(run_dir) / "health")
     return judge(collect(run_dir, agent_failures, stopped_by))
+
+
+def _recorded_stop(health: Path) -> str | None:
+    path = health / "diagnosis.json"
+    try:
+        record = json.loads(path.read_text())
+        written = path.stat().st_mtime
+        flights = [p.stat().st_mtime for p in health.glob("flight-rank-*.json")]
+    except (OSError, ValueError):
+        return None
+    if record.get("verdict") != "stopped" or any(t > written for t in flights):
+        return None
+    return record.get("stopped_by") or "a signal"
 
 
 def write_diagnosis(
@@ -77,6 +94,8 @@ def write_diagnosis(
     from meshforge.launch.train import write_atomic
 
     record = dict(agent_failures or {})
+    if stopped_by is not None:
+        record["stopped_by"] = stopped_by
     try:
         record.update(diagnose_run(run_dir, agent_failures, stopped_by))
     except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
