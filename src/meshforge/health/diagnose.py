@@ -91,7 +91,7 @@ def write_diagnosis(
     they are) with the diagnosis added, written to RUN_DIR/health/diagnosis.json and
     returned. A diagnosis that cannot be made never hides the failure itself: the
     agent's record is written alone, with the reason."""
-    from meshforge.launch.train import write_atomic
+    from meshforge.fileio import write_text_atomic
 
     record = dict(agent_failures or {})
     if stopped_by is not None:
@@ -104,7 +104,7 @@ def write_diagnosis(
     health = Path(run_dir) / "health"
     try:
         health.mkdir(parents=True, exist_ok=True)
-        write_atomic(health / "diagnosis.json", json.dumps(record, indent=2))
+        write_text_atomic(health / "diagnosis.json", json.dumps(record, indent=2))
     except OSError as exc:
         logging.getLogger(__name__).warning("cannot write %s: %s", health, exc)
     return record

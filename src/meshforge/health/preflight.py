@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshforge.fileio import write_text_atomic
 from meshforge.health import probes
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -559,9 +559,7 @@ def write_result(run_dir: Path, doc: dict[str, Any]) -> Path:
     """Atomically: nodes sharing a run directory write the same document."""
     path = result_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(doc, indent=2, default=str))
     return path
 
 

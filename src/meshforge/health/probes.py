@@ -131,14 +131,7 @@ def parse_ibstat(text: str) -> list[dict[str, Any]]:
         if m := re.match(r"CA '([^']+)'", line):
             ca, port = m.group(1), None
         elif (m := re.match(r"Port (\d+):$", line)) and ca is not None:
-            port = {
-                "ca": ca,
-                "port": int(m.group(1)),
-                "state": None,
-                "physical_state": None,
-                "rate_gbps": None,
-                "link_layer": None,
-            }
+            port = _new_port(ca, int(m.group(1)))
             ports.append(port)
         elif port is not None and ":" in line:
             key, value = (part.strip() for part in line.split(":", 1))
@@ -153,6 +146,11 @@ def parse_ibstat(text: str) -> list[dict[str, Any]]:
     return ports
 
 
+def _new_port(ca: str, number: int) -> dict[str, Any]:
+    return {"ca": ca, "port": number, "state": None, "physical_state": None,
+            "rate_gbps": None, "link_layer": None}  # fmt: skip
+
+
 def parse_ibv_devinfo(text: str) -> tuple[list[str], list[dict[str, Any]]]:
     """Devices (hca_id) and their ports' states from `ibv_devinfo`."""
     devices: list[str] = []
@@ -164,14 +162,7 @@ def parse_ibv_devinfo(text: str) -> tuple[list[str], list[dict[str, Any]]]:
             devices.append(m.group(1))
             port = None
         elif (m := re.match(r"port:\s*(\d+)$", line)) and devices:
-            port = {
-                "ca": devices[-1],
-                "port": int(m.group(1)),
-                "state": None,
-                "physical_state": None,
-                "rate_gbps": None,
-                "link_layer": None,
-            }
+            port = _new_port(devices[-1], int(m.group(1)))
             ports.append(port)
         elif port is not None and (m := re.match(r"state:\s*PORT_(\w+)", line)):
             port["state"] = _DEVINFO_STATES.get(m.group(1), m.group(1).title())

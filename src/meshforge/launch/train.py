@@ -6,9 +6,7 @@ each node), `meshforge submit mpi` and `meshforge submit slurm`."""
 
 from __future__ import annotations
 
-import os
 import shlex
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,12 +56,6 @@ class PreparedJob:
     world: int | None  # None while elastic (min < max nodes)
     auto_line: str | None = None
     run_lock: Any = None  # what `lock` returned: a held RunDirLock keeps the directory
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def prepare_job(

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.fileio import write_text_atomic
+
 # The torch.distributed calls counted: collectives, object collectives, point-to-point.
 _WRAPPED = (
     "all_reduce",
@@ -238,10 +240,7 @@ class FlightRecorder:
             return
         with self._lock:
             try:
-                record = self.snapshot()
-                tmp = self.path.with_name(f".{self.path.name}.tmp")
-                tmp.write_text(json.dumps(record))
-                os.replace(tmp, self.path)
+                write_text_atomic(self.path, json.dumps(self.snapshot()))
             except OSError:
                 pass  # a full or vanished disk must not take the rank down
 

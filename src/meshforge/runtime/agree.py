@@ -21,6 +21,7 @@ import torch.distributed as dist
 import yaml
 
 from meshforge.config import JobConfig, build_config, dump_config
+from meshforge.fileio import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,7 @@ def agree_on_config(cfg: JobConfig, rank: int, world: int, local_rank: int, run_
         target = Path(run_dir) / "config.yaml"
         try:
             if not target.exists() or target.read_text() != agreed:
-                tmp = target.with_name(f".config.yaml.{socket.gethostname()}.{os.getpid()}")
-                tmp.write_text(agreed)
-                os.replace(tmp, target)
+                write_text_atomic(target, agreed)
         except OSError as exc:
             log.warning("cannot write %s: %s", target, exc)
     return cfg
