@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -301,3 +302,45 @@ def test_plain_torchrun_leaves_the_same_run_directory(tmp_path, job_file):
     assert [h["node"] for h in report["hosts"]] == [0, 0]
     for rank in (0, 1):
         assert "step 20/20" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+
+
+def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
+    """SIGKILL to `meshforge train`: its workers get SIGTERM (parent-death signal),
+    checkpoint the same step together and exit, instead of training on orphaned."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from helpers import REPO
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**TINY_JOB, "train": {**TINY_JOB["train"], "steps": 100000}}))
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshforge", "train", str(job), "--nproc", "2",
+         "--run-dir", str(run_dir)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.2)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive
+    finally:
+        for w in workers:
+            if w.is_running():
+                w.kill()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "stopped"
+    assert (run_dir / "checkpoints" / f"step-{report['stopped']['step']:08d}").is_dir()

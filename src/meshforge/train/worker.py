@@ -80,6 +80,7 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
 
     run_dir = Path(run_dir)
     env = detect_env()
+    _stop_with_launcher()
     # Global rank 0 holds the run directory unless its launcher does (one node, mpirun);
     # the kernel drops the lock when this process ends, however it ends.
     _run_lock = worker_run_lock(run_dir, env.rank)
@@ -130,6 +131,25 @@ def _quiet_traceback(rank: int, run_dir: Path) -> None:
         print(f"[rank{rank}] {text} (traceback: {log_path})", file=sys.stderr, flush=True)
 
     sys.excepthook = hook
+
+
+def _stop_with_launcher() -> None:
+    """If the launcher (the elastic agent) is killed, this worker gets SIGTERM: it then
+    checkpoints with its peers and leaves (runtime/control.py) instead of training on,
+    orphaned, in a run directory nobody holds any more. Linux only."""
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
