@@ -49,6 +49,34 @@ class DataConfig(_Section):
     prefetch: int = Field(2, ge=0)
 
 
+class CommConfig(_Section):
+    """How gradients and parameters travel between data-parallel ranks (README:
+    "Communication"). Each setting applies to the layouts named beside it; set
+    elsewhere it is refused, since it would do nothing."""
+
+    # DDP (zero 0/1, tp = pp = 1): gradient bucket size; reduction overlapped with
+    # backward (off only to measure what overlap saves); compression by a DDP
+    # communication hook.
+    bucket_mb: float = Field(25.0, gt=0)
+    overlap: bool = True
+    compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    powersgd_rank: int = Field(1, ge=1)  # PowerSGD's matrix approximation rank
+    powersgd_warmup: int = Field(10, ge=2)  # optimizer steps of plain all-reduce first
+    # FSDP (zero 2/3): blocks whose parameters are gathered ahead of use (torch's
+    # default, None, is one, implicitly), and the dtype gradients are reduced in.
+    prefetch: int | None = Field(None, ge=1)
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+class ParameterServerConfig(_Section):
+    """parallel.mode: parameter_server. The first `servers` ranks hold the parameters
+    and optimizer state, sharded; the others are workers."""
+
+    servers: int = Field(1, ge=1)
+    sync: bool = True  # one averaged update per step; false: each push applied on arrival
+    max_staleness: int = Field(0, ge=0)  # async: updates a gradient may lag, at most
+
+
 class ParallelConfig(_Section):
     dp: int | Literal["auto"] = "auto"
     zero: Literal[0, 1, 2, 3] = 0
@@ -61,18 +89,108 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = False  # shard norms/dropout along the sequence (needs tp > 1)
     loss_parallel: bool = True  # tp > 1: cross-entropy on vocabulary-sharded logits
     mode: Literal["collective", "parameter_server"] = "collective"
-    bucket_mb: float = Field(25.0, gt=0)
+    comm: CommConfig = CommConfig()
+    ps: ParameterServerConfig | None = None  # parallel.mode: parameter_server only
 
     @field_validator("pp_schedule", mode="before")
     @classmethod
     def _schedule_alias(cls, value: Any) -> Any:
         return "interleaved_1f1b" if value == "interleaved" else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_bucket(cls, value: Any) -> Any:
+        """`parallel.bucket_mb` (before parallel.comm existed) still reads as
+        parallel.comm.bucket_mb: resolved config.yaml files of older runs carry it."""
+        if isinstance(value, dict) and "bucket_mb" in value:
+            value = dict(value)
+            bucket = value.pop("bucket_mb")
+            comm = dict(value.get("comm") or {})
+            if "bucket_mb" in comm and comm["bucket_mb"] != bucket:
+                raise ValueError(
+                    "parallel.bucket_mb and parallel.comm.bucket_mb disagree; "
+                    "give parallel.comm.bucket_mb only"
+                )
+            comm["bucket_mb"] = bucket
+            value["comm"] = comm
+        return value
+
     @model_validator(mode="after")
     def _dp_positive(self) -> ParallelConfig:
         if self.dp != "auto" and self.dp < 1:
             raise ValueError(f"parallel.dp must be >= 1 or 'auto', got {self.dp}")
+        check_comm(self)
         return self
+
+    @property
+    def is_ddp(self) -> bool:
+        """Plain DistributedDataParallel carries the gradients (zero 0/1, no tp/pp)."""
+        return self.zero <= 1 and self.tp == 1 and self.pp == 1
+
+
+def check_comm(p: ParallelConfig) -> None:
+    """parallel.comm and parallel.ps settings against the layout (the rules that need
+    no world size); each failure names the fields."""
+    c = p.comm
+    # settings that differ from their defaults (a resolved config.yaml lists them all)
+    given = {k for k, f in CommConfig.model_fields.items() if getattr(c, k) != f.default}
+    layout = f"parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}"
+    if p.mode == "parameter_server":
+        if p.zero or p.tp > 1 or p.pp > 1:
+            raise ValueError(
+                f"parallel.mode=parameter_server trains full replicas on its workers; "
+                f"it takes zero=0, tp=1, pp=1 (got {layout})"
+            )
+        if given:
+            raise ValueError(
+                "parallel.comm." + sorted(given)[0] + " applies to parallel.mode=collective; "
+                "a parameter server moves whole gradients and parameters point to point"
+            )
+        ps = p.ps or ParameterServerConfig()
+        if ps.sync and ps.max_staleness:
+            raise ValueError(
+                f"parallel.ps.max_staleness={ps.max_staleness} applies to asynchronous "
+                "training (parallel.ps.sync: false); a synchronous server is never stale"
+            )
+        return
+    if p.ps is not None:
+        raise ValueError("parallel.ps applies to parallel.mode=parameter_server only")
+    if not p.is_ddp:
+        for key, what in (
+            ("compression", "compression hooks"),
+            ("overlap", "overlap switch"),
+            ("bucket_mb", "gradient buckets"),
+            ("powersgd_rank", "PowerSGD settings"),
+            ("powersgd_warmup", "PowerSGD settings"),
+        ):
+            if key in given:
+                hint = " (under zero 2/3 use parallel.comm.reduce_dtype)" if p.zero >= 2 else ""
+                raise ValueError(
+                    f"parallel.comm.{key}={getattr(c, key)}: DDP's {what} apply to zero 0/1 "
+                    f"with tp=1 and pp=1, not to {layout}{hint}"
+                )
+    if c.compression != "powersgd":
+        for key in ("powersgd_rank", "powersgd_warmup"):
+            if key in given:
+                raise ValueError(
+                    f"parallel.comm.{key} applies to parallel.comm.compression=powersgd "
+                    f"(got compression={c.compression})"
+                )
+    if not c.overlap and c.compression != "none":
+        raise ValueError(
+            f"parallel.comm.overlap=false reduces the gradients after backward in one "
+            f"plain all-reduce; it cannot take parallel.comm.compression={c.compression}"
+        )
+    if p.zero < 2:
+        if c.prefetch is not None:
+            raise ValueError(
+                f"parallel.comm.prefetch applies to FSDP (zero 2 or 3), not zero={p.zero}"
+            )
+        if c.reduce_dtype != "fp32":
+            raise ValueError(
+                f"parallel.comm.reduce_dtype applies to FSDP (zero 2 or 3), not zero={p.zero}; "
+                f"with DDP use parallel.comm.compression: {c.reduce_dtype}"
+            )
 
 
 class PrecisionConfig(_Section):
@@ -116,6 +234,9 @@ class ObserveConfig(_Section):
     # this many consecutive intervals, is named a straggler.
     straggler_margin: float = Field(0.25, gt=0)
     straggler_intervals: int = Field(2, ge=1)
+    # Steps written to RUN_DIR/trace.json as one Chrome/Perfetto timeline of every
+    # rank (torch profiler): "" for none, "5" or "5-7" or "5,9".
+    trace_steps: str = ""
     tensorboard: bool = False
     prometheus_port: int | None = Field(None, ge=1, le=65535)
 
@@ -181,9 +302,7 @@ class JobConfig(_Section):
 
     def check_trainable(self) -> None:
         """Layouts this version cannot train fail before any worker starts."""
-        p = self._parallel()
-        if p.mode != "collective":
-            raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
+        self._parallel()
 
     # -- layout -------------------------------------------------------------
     def dims(self, world_size: int):  # -> ParallelDims (parallel/dims.py)
@@ -225,7 +344,7 @@ def _format_validation_error(exc: ValidationError) -> str:
         return f"unknown key '{loc}'"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
-    if not loc:
+    if not loc or msg.startswith(f"{loc}."):  # the message names the field itself
         return msg
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" (got {value!r})"

@@ -143,7 +143,7 @@ def build_gpt(
                 m,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=mesh["dp"].get_group(),
-                bucket_cap_mb=p.bucket_mb,
+                bucket_cap_mb=p.comm.bucket_mb,
                 gradient_as_bucket_view=True,
             )
             for m in modules

@@ -150,7 +150,7 @@ def threads_per_worker(cfg: JobConfig, nproc: int) -> int:
 # step runs on FSDP2's DTensor shards, much slower per byte than on plain tensors. So
 # on a CPU the data-parallel and optimizer terms of a prediction are replaced by:
 #
-#   ZeRO-0   DDP: the grads all-reduced in buckets of parallel.bucket_mb, all but the
+#   ZeRO-0   DDP: the grads all-reduced in buckets of parallel.comm.bucket_mb, all but the
 #            last hidden under the backward of the last micro-batch (gloo's thread)
 #   ZeRO-1   as 0, plus ZeroRedundancyOptimizer's broadcast of the updated parameters
 #            from their owners after the step, exposed (it issues one broadcast per
@@ -335,7 +335,7 @@ def choose_layout(
         sdpa=True,
     )
     shape = shape_of(cfg)
-    bucket_mb = ParallelConfig().bucket_mb
+    bucket_mb = ParallelConfig().comm.bucket_mb
     best: AutoChoice | None = None
     for tp, pp, zero, b in splits:
         dp = world_size // (tp * pp)

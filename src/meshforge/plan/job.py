@@ -60,7 +60,7 @@ def predict_for_job(
         )  # fmt: skip
         if host is None:
             return pred, pred.time.to_dict()
-        return pred, host_step_time(pred, shape, cluster, host, p.bucket_mb)
+        return pred, host_step_time(pred, shape, cluster, host, p.comm.bucket_mb)
 
     mode = t.activation_checkpointing
     parts = [run("none"), run("full")] if mode == "selective" else [run(mode)]
