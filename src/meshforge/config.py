@@ -69,8 +69,8 @@ class CommConfig(_Section):
 
 
 class ParameterServerConfig(_Section):
-    """parallel.mode: parameter_server. The first `servers` ranks hold the parameters
-    and optimizer state, sharded; the others are workers."""
+    """parallel.mode: parameter_server. The last `servers` ranks hold the parameters
+    and optimizer state, sharded; the others (rank 0 among them) are workers."""
 
     servers: int = Field(1, ge=1)
     sync: bool = True  # one averaged update per step; false: each push applied on arrival
