@@ -397,3 +397,79 @@ def _teardown(cluster: SlurmCluster) -> None:
                 _stop(procs[name])
     finally:
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+# --- training across hosts -------------------------------------------------------------
+
+
+def train_on_hosts(
+    hosts: Sequence[Host],
+    config: Path,
+    run_dir: Path,
+    *extra: str,
+    nproc_per_node: int | Sequence[int] = 1,
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+) -> list[tuple[str, str]]:
+    """`meshforge train` on every host at once (one node each, c10d rendezvous served by
+    host 0, collectives on the hosts' interface); waits, bounded, for all of them and
+    raises with their output when one fails. `nproc_per_node` may differ per host.
+    Returns (stdout, stderr) per host."""
+    import sys
+
+    port = 29500 + (os.getpid() + next(_instances)) % 400
+    base = {
+        k: v
+        for k, v in (env or os.environ).items()
+        if k != "MESHFORGE_FAULT" and not k.startswith(("PET_", "GLOO_", "NCCL_"))
+    }
+    nprocs = [nproc_per_node] * len(hosts) if isinstance(nproc_per_node, int) else nproc_per_node
+    procs = [
+        subprocess.Popen(
+            h.exec_argv(
+                [
+                    sys.executable,
+                    "-m",
+                    "meshforge",
+                    "train",
+                    str(config),
+                    "--run-dir",
+                    str(run_dir),
+                    "--nnodes",
+                    str(len(hosts)),
+                    "--nproc-per-node",
+                    str(n),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"{hosts[0].addr}:{port}",
+                    "--rdzv-id",
+                    f"mf-{port}",
+                    "--iface",
+                    h.iface,
+                    *extra,
+                ]
+            ),
+            env=base,
+            cwd=str(Path(__file__).resolve().parents[1]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for h, n in zip(hosts, nprocs, strict=True)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout_s))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise AssertionError(
+                f"meshforge train failed ({p.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
+            )
+    return outputs

@@ -37,9 +37,11 @@ _WRAPPED = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",  # FSDP2's gathers
     "all_gather_object",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",  # FSDP2's gradient reduction
     "broadcast",
     "broadcast_object_list",
     "all_to_all",

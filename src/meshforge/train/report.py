@@ -89,6 +89,7 @@ def build_report(
         "pipeline": pipeline_summary(trainer, per_rank),
         # tensor-parallel collectives in one profiled step (rank 0), seconds and share
         "tp_comm": _tp_comm(rows, _median([r["step_time_s"] for r in steady])),
+        "communication": communication(trainer, steady, per_rank),
         "predicted": predicted_for(trainer),
         "resumed_from": resumed_from,
         "last_checkpoint": last_checkpoint,
@@ -104,6 +105,39 @@ def build_report(
         report["status"] = "stopped"
         report["stopped"] = trainer.stopped
     return report
+
+
+def communication(
+    trainer: Trainer, steady: list[dict[str, Any]], per_rank: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Exposed communication (seconds per step and share of the step, with how it was
+    measured), bytes per step per rank, and what each host sent on the wire."""
+    p = trainer.cfg._parallel()
+    step_s = _median([r["step_time_s"] for r in steady])
+    exposed = _median([r.get("comm_s") for r in steady])
+    comm = [r.get("comm") or {} for r in per_rank]
+    hosts: list[dict[str, Any]] = []  # one per node: what its first rank read
+    for rank, (r, c) in enumerate(zip(per_rank, comm, strict=True)):
+        if "net_tx_bytes_per_step" in c:
+            where = r.get("host") or {}
+            hosts.append({
+                "host": where.get("host"),
+                "addr": where.get("addr"),
+                "rank": rank,
+                "tx_bytes_per_step": c["net_tx_bytes_per_step"],
+                "tx_bytes_per_s": c.get("net_tx_bytes_per_s"),
+            })  # fmt: skip
+    rates = [h["tx_bytes_per_s"] for h in hosts if h.get("tx_bytes_per_s")]
+    return {
+        "mode": p.mode,
+        "settings": p.comm.model_dump() if p.mode == "collective" else None,
+        "method": trainer.comm_method(),
+        "exposed_s": exposed,
+        "exposed_fraction": exposed / step_s if exposed is not None and step_s else None,
+        "payload_bytes_per_step": [c.get("payload_bytes_per_step") for c in comm],
+        "hosts": hosts,
+        "achieved_bytes_per_s": _median(rates),
+    }
 
 
 def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:

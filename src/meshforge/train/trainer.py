@@ -29,6 +29,7 @@ from meshforge.data.loader import DistributedBatchLoader, val_batches
 from meshforge.errors import ConfigError
 from meshforge.launch.local import is_peer_failure, recorded_failures
 from meshforge.models.gpt import GPT, shape_of
+from meshforge.observe import comm_bytes
 from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.flight import FlightRecorder
@@ -90,6 +91,14 @@ class Trainer:
         self.stragglers = StragglerWatch(
             rt.world_size, cfg.observe.straggler_margin, cfg.observe.straggler_intervals
         )
+        # bytes handed to torch.distributed per step, and by the host's interfaces
+        comm_bytes.install()
+        self.reducer_bytes = 0  # DDP's C++ reducer all-reduces past any Python call
+        comm = cfg._parallel().comm
+        if self.parts.wrapper == "ddp" and comm.compression == "none" and comm.overlap:
+            self.reducer_bytes = comm_bytes.ddp_reducer_bytes(self.parts.parameters())
+        self.comm_samples: list[dict[str, float]] = []  # per logged interval, steady only
+        self.tp_comm_s: float | None = None  # latest profiled TP collective time
 
     # -- what the report and checkpoints record ------------------------------------------
     def layout(self) -> dict[str, Any]:
@@ -273,6 +282,7 @@ class Trainer:
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
             interval_t0, interval_steps = time.perf_counter(), 0
+            marks = _comm_marks()
             fl, first_interval = self.flight, True
             slow = faults.slow_factor(rt.rank)
             for step in range(start, t.steps):
@@ -285,7 +295,7 @@ class Trainer:
                 self.stragglers.add_data_wait(data_s)
                 fl.set_phase("forward")
                 faults.maybe_oom(step + 1, rt.rank)
-                if ref_compute_s is None and self.accum == 1 and step == start:
+                if ref_compute_s is None and step == start and self._needs_reference():
                     x0, y0 = batch.micro_batches[0]
                     ref_compute_s = self._reference_compute_s(
                         x0.to(self.device), y0.to(self.device)
@@ -298,6 +308,7 @@ class Trainer:
                         self.device,
                     )
                     result.tp_comm_s, tp_sampled = tp_comm_s, True
+                    self.tp_comm_s = tp_comm_s
                 else:
                     result = self.strategy.step(step, batch.micro_batches, logging_step)
                 if slow > 1:
@@ -311,17 +322,23 @@ class Trainer:
 
                 if logging_step:
                     fl.set_phase("metrics")
+                    steady = not first_interval  # the first interval includes start-up
+                    comm = self._comm_interval(marks, interval_steps, steady)
                     own_s, stragglers = self.stragglers.exchange(skip=first_interval)
                     first_interval = False
                     loss_value = self.strategy.reduce_loss(result.loss_sum / self.accum).item()
                     self.strategy.sync()
                     now = time.perf_counter()
                     tokens_per_s = interval_steps * self.tokens_per_step / (now - interval_t0)
-                    interval_t0, interval_steps = now, 0
                     row = self._metrics_row(
                         step + 1, loss_value, result, now - t0, data_s, tokens_per_s, peak,
                         ref_compute_s,
                     )  # fmt: skip
+                    row.update(comm)
+                    if steady:
+                        self.comm_samples[-1]["step_s"] = (now - interval_t0) / interval_steps
+                    interval_t0, interval_steps = now, 0
+                    marks = _comm_marks()
                     last_loss = loss_value
                     row["own_s_per_rank"] = [round(v, 4) for v in own_s]
                     if stragglers:
@@ -378,6 +395,7 @@ class Trainer:
             "state": state_bytes,
             "peak": peak_memory_bytes(self.device),
             "pipeline": _bubble_of(pipeline_times),
+            "comm": _comm_summary(self.comm_samples, self.rt.env.local_rank == 0),
         }
         gathered: list[Any] = [None] * rt.world_size
         dist.all_gather_object(gathered, per_rank)
@@ -410,13 +428,12 @@ class Trainer:
         ref_compute_s: float | None,
     ) -> dict[str, Any]:
         """One row of metrics.jsonl: this rank's (rank 0's) view of a logged step."""
-        # exposed data-parallel communication: none without data-parallel peers
-        comm_s = _exposed_comm_s(result.micro_s, ref_compute_s) if self.dp > 1 else 0.0
+        comm_s = self._exposed_comm_s(result.micro_s, ref_compute_s)
         bubble_s = None
         if result.busy_s is not None and result.wall_s is not None:
             bubble_s = max(0.0, result.wall_s - result.busy_s)
             fwd_bwd_s = result.wall_s
-            compute_s = result.busy_s
+            compute_s = max(0.0, result.busy_s - (comm_s or 0.0))
         else:
             fwd_bwd_s = sum(result.micro_s)
             compute_s = max(0.0, fwd_bwd_s - (comm_s or 0.0))
@@ -442,6 +459,67 @@ class Trainer:
             row["loss_scale"] = float(self.optimizers.scaler.get_scale())
         return row
 
+    # -- communication ----------------------------------------------------------------------
+    def _needs_reference(self) -> bool:
+        """Whether exposed data-parallel communication is measured against a replica:
+        the whole model on this rank (tp = pp = 1), data-parallel peers, and no other
+        micro-batch of the step runs without communication (DDP's no_sync ones do;
+        FSDP gathers parameters in every one)."""
+        if self.dp == 1 or self.dims.tp_enabled or self.dims.pp_enabled:
+            return False
+        return not (self.parts.wrapper == "ddp" and self.accum > 1)
+
+    def comm_method(self) -> str:
+        """How this layout's exposed communication is measured (report.json says so)."""
+        if self.dims.pp_enabled:
+            return "pipeline: stage waits, point-to-point transfers included, are the bubble" + (
+                "; tensor-parallel collectives profiled" if self.dims.tp_enabled else ""
+            )
+        if self.dims.tp_enabled:
+            return "tensor-parallel collectives profiled in one sampled step"
+        if self.dp == 1:
+            return "none: no data-parallel peers"
+        if self._needs_reference():
+            return "forward+backward minus a communication-free replica's, per micro-batch"
+        return "synchronising micro-batch minus the step's no_sync micro-batches"
+
+    def _exposed_comm_s(self, micro_s: list[float], ref_s: float | None) -> float | None:
+        """Communication time of a logged step not hidden behind compute.
+
+        Data parallel (tp = pp = 1): the step's forward+backward time minus the same
+        work without communication: the step's no_sync micro-batches under DDP with
+        accumulation, else a local replica timed at start (FSDP gathers parameters in
+        every micro-batch). Tensor parallel: the profiled step's collective time.
+        Pipelines: their waits are the bubble, reported apart."""
+        if self.dims.pp_enabled:
+            return self.tp_comm_s or 0.0
+        if self.dims.tp_enabled:
+            return self.tp_comm_s
+        if self.dp == 1:
+            return 0.0
+        if not micro_s:
+            return None
+        if not self._needs_reference():
+            ref_s = statistics.fmean(micro_s[:-1])
+        if ref_s is None:
+            return None
+        return max(0.0, sum(micro_s) - len(micro_s) * ref_s)
+
+    def _comm_interval(
+        self, marks: tuple[int, int | None], steps: int, steady: bool
+    ) -> dict[str, Any]:
+        """Bytes per step of the logged interval just ended: this rank's payload to
+        torch.distributed and, from the host's first rank, the host's interfaces."""
+        payload0, tx0 = marks
+        payload = (comm_bytes.payload_bytes() - payload0) / steps + self.reducer_bytes
+        out: dict[str, Any] = {"comm_bytes": payload}
+        tx = comm_bytes.host_tx_bytes()
+        if tx is not None and tx0 is not None:
+            out["net_tx_bytes"] = (tx - tx0) / steps
+        if steady:
+            self.comm_samples.append({"payload": payload, "tx": out.get("net_tx_bytes")})
+        return out
+
     def _mfu(self, tokens_per_s: float, peak: PeakFlops) -> float | None:
         if not peak.flops_per_s:
             return None
@@ -449,17 +527,23 @@ class Trainer:
         return per_device / peak.flops_per_s
 
 
-def _exposed_comm_s(micro_s: list[float], ref_s: float | None) -> float | None:
-    """Exposed gradient-reduction time of a step: the synchronising micro-batch's time
-    minus the same work without communication (the other micro-batches of the step,
-    or the replica reference when there is only one)."""
-    if not micro_s:
+def _comm_marks() -> tuple[int, int | None]:
+    return comm_bytes.payload_bytes(), comm_bytes.host_tx_bytes()
+
+
+def _comm_summary(samples: list[dict[str, Any]], host_first_rank: bool) -> dict[str, Any] | None:
+    """Medians over the steady logged intervals: payload bytes per step of this rank;
+    on the host's first rank, the host's transmitted bytes per step and per second."""
+    if not samples:
         return None
-    if len(micro_s) > 1:
-        ref_s = statistics.fmean(micro_s[:-1])
-    if ref_s is None:
-        return None
-    return max(0.0, micro_s[-1] - ref_s)
+    payload = statistics.median(s["payload"] for s in samples)
+    out: dict[str, Any] = {"payload_bytes_per_step": payload}
+    tx = [s for s in samples if s.get("tx") is not None]
+    if host_first_rank and tx:
+        out["net_tx_bytes_per_step"] = statistics.median(s["tx"] for s in tx)
+        rates = [s["tx"] / s["step_s"] for s in tx if s.get("step_s")]
+        out["net_tx_bytes_per_s"] = statistics.median(rates) if rates else None
+    return out
 
 
 def _bubble_of(times: list[tuple[float, float]]) -> dict[str, float] | None:
