@@ -24,7 +24,7 @@ def job_factory(tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def gloo() -> Iterator[GlooPool]:
-    """In-process gloo worker pools of world size 1, 2 and 4, started on first use and
+    """In-process gloo worker pools of world size 1, 2, 3 and 4, started on first use and
     kept for the session: `gloo.run(world_size, fn, *args, timeout=300, **kwargs)`."""
     pool = GlooPool()
     yield pool

@@ -15,7 +15,7 @@ already-initialised gloo group instead of launching `meshforge train`:
     def test_all_reduce(gloo):  # `gloo` is the session fixture in conftest.py
         assert gloo.run(4, _sum_of_ranks) == [6.0] * 4
 
-The pool for a world size (1, 2 or 4) is started the first time a test asks for it
+The pool for a world size (1, 2, 3 or 4) is started the first time a test asks for it
 (each rank a `multiprocessing` spawn-context process with `OMP_NUM_THREADS=1`,
 `torch.set_num_threads(1)`, `MESHFORGE_IN_POOL=1` and the torchrun variables RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, that has called
@@ -69,7 +69,7 @@ from typing import Any
 
 import pytest
 
-SIZES = (1, 2, 4)
+SIZES = (1, 2, 3, 4)
 START_TIMEOUT_S = 180.0  # spawning and importing torch on a loaded two-core machine
 COLLECTIVE_TIMEOUT_S = 900  # a stuck worker gives up on its own eventually
 ERROR_GRACE_S = 3.0  # after one rank raised, how long to wait for the others' replies

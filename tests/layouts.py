@@ -77,16 +77,18 @@ def train_layout(
         out["digest_loaded"] = engine.param_digest()
     tokens = _tokens(cfg.data.source)
     for step in range(start, steps):
-        micro_batches = rank_micro_batches(
-            tokens,
-            seq_len=cfg.model.seq_len,
-            global_batch=t.global_batch,
-            micro_batch=t.micro_batch,
-            dp_rank=engine.dp_rank,
-            dp_size=dims.dp,
-            seed=t.seed,
-            step=step,
-        )
+        micro_batches = []  # a parameter server reads no data
+        if engine.reads_data:
+            micro_batches = rank_micro_batches(
+                tokens,
+                seq_len=cfg.model.seq_len,
+                global_batch=t.global_batch,
+                micro_batch=t.micro_batch,
+                dp_rank=engine.dp_rank,
+                dp_size=dims.dp,
+                seed=t.seed,
+                step=step,
+            )
         result = engine.strategy.step(step, micro_batches, measure=False)
         loss = engine.strategy.reduce_loss(result.loss_sum / dims.microbatches).item()
         engine.optimizers.zero_grad()
@@ -96,6 +98,7 @@ def train_layout(
             out["digest_saved"] = engine.param_digest()
     out["digest_final"] = engine.param_digest()
     out["param_names"] = sorted(name for name, _ in engine.parts.named_parameters())
+    out["server_counters"] = engine.strategy.server_counters()  # a parameter server's
     return out
 
 

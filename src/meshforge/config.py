@@ -178,8 +178,8 @@ def check_comm(p: ParallelConfig) -> None:
                 )
     if not c.overlap and c.compression != "none":
         raise ValueError(
-            f"parallel.comm.overlap=false reduces the gradients after backward in one "
-            f"plain all-reduce; it cannot take parallel.comm.compression={c.compression}"
+            f"parallel.comm.overlap=false reduces the gradients after backward in "
+            f"plain all-reduces; it cannot take parallel.comm.compression={c.compression}"
         )
     if p.zero < 2:
         if c.prefetch is not None:
@@ -187,9 +187,12 @@ def check_comm(p: ParallelConfig) -> None:
                 f"parallel.comm.prefetch applies to FSDP (zero 2 or 3), not zero={p.zero}"
             )
         if c.reduce_dtype != "fp32":
+            # also under tp/pp: zero 0's `replicate` could reduce in another dtype, but
+            # whether it exists at all (dp > 1) only the world size tells
+            hint = f"; with DDP use parallel.comm.compression: {c.reduce_dtype}" if p.is_ddp else ""
             raise ValueError(
-                f"parallel.comm.reduce_dtype applies to FSDP (zero 2 or 3), not zero={p.zero}; "
-                f"with DDP use parallel.comm.compression: {c.reduce_dtype}"
+                f"parallel.comm.reduce_dtype applies to FSDP (zero 2 or 3), not zero={p.zero}"
+                + hint
             )
 
 
@@ -240,6 +243,21 @@ class ObserveConfig(_Section):
     tensorboard: bool = False
     prometheus_port: int | None = Field(None, ge=1, le=65535)
 
+    @field_validator("trace_steps", mode="before")
+    @classmethod
+    def _trace_steps_spec(cls, value: Any) -> Any:
+        """A step spec (observe/trace.py); a single step may come as a YAML number."""
+        from meshforge.observe.trace import parse_steps
+
+        if value is None:  # `--set observe.trace_steps=`
+            return ""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str):
+            parse_steps(value)
+            value = value.strip()
+        return value
+
 
 class RuntimeConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -283,6 +301,7 @@ class JobConfig(_Section):
                 f"train.global_batch={t.global_batch} is not divisible by "
                 f"train.micro_batch={t.micro_batch}"
             )
+        _check_trace_steps(self.observe.trace_steps, t.steps)
         if self.parallel != "auto":  # resolved at launch, then checked like any layout
             from meshforge.parallel.dims import check_model_split
 
@@ -317,6 +336,16 @@ class JobConfig(_Section):
 
     def grad_accum_steps(self, dp: int) -> int:
         return self.train.global_batch // (dp * self.train.micro_batch)
+
+
+def _check_trace_steps(spec: str, steps: int) -> None:
+    from meshforge.observe.trace import parse_steps
+
+    traced = parse_steps(spec)
+    if traced and traced[-1] > steps:
+        raise ValueError(
+            f"observe.trace_steps={spec} names step {traced[-1]}, beyond train.steps={steps}"
+        )
 
 
 def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:

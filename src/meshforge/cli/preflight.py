@@ -26,7 +26,7 @@ from meshforge.errors import ConfigError
 DEFAULT_RUN_DIR = Path("runs/preflight")
 PROG = "meshforge preflight"
 # `meshforge train` flags that have no meaning here (or that preflight defines itself).
-_NOT_FOR_PREFLIGHT = {"help", "config", "run_dir", "overrides"}
+_NOT_FOR_PREFLIGHT = {"help", "config", "run_dir", "overrides", "trace"}
 
 
 class _Parser(argparse.ArgumentParser):

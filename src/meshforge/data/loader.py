@@ -257,6 +257,37 @@ class DistributedBatchLoader:
         self.close()
 
 
+class NoBatches:
+    """The loader of a rank that reads no data (a parameter server, which trains on the
+    workers' gradients): every step an empty batch, never a wait."""
+
+    last_wait_s = 0.0
+    total_wait_s = 0.0
+
+    def __init__(self, start_step: int = 0) -> None:
+        self._next_step = start_step
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    def __iter__(self) -> NoBatches:
+        return self
+
+    def __next__(self) -> StepBatch:
+        self._next_step += 1
+        return StepBatch(step=self._next_step - 1, micro_batches=[])
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NoBatches:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
 def val_offsets(
     n_tokens: int, seq_len: int, batch_size: int, n_batches: int, seed: int
 ) -> np.ndarray:

@@ -1,7 +1,7 @@
 """`meshforge train`'s command line: torchrun's own launch flags, taken from
 `torch.distributed.run`'s parser (so every flag, spelling and `PET_*` variable torchrun
 reads is read the same way), plus meshforge's own: the job, the run directory,
-overrides, `--iface` and `--oversubscribe`.
+overrides, `--trace`, `--iface` and `--oversubscribe`.
 
 The flags become a `LaunchConfig` through torchrun's own `config_from_args`; what
 torchrun's `run()` does before that (`--standalone`, a single node without a
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY.PATH=VALUE",
         help="Override a config key (repeatable).",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="STEPS",
+        default=None,
+        help="Write a Chrome/Perfetto timeline of these steps (e.g. 5, 5-7 or 5,9; numbered "
+        "from 1), every rank's compute and communication, to RUN_DIR/trace.json "
+        "(observe.trace_steps).",
     )
     parser.add_argument(
         "--iface",
@@ -142,6 +150,8 @@ def check_gpu_count(nproc: int, device: str, oversubscribe: bool, gpus: int | No
 def parse_launch_args(argv: list[str]) -> LaunchArgs:
     """Parse and check the command line; nothing is started and nothing is written."""
     args = build_parser().parse_args(argv)
+    if args.trace is not None:  # the job's setting, checked with the rest of the config
+        args.overrides.append(f"observe.trace_steps={args.trace}")
     notes: list[str] = []
     warnings: list[str] = []
     min_nodes, max_nodes = parse_nnodes(args.nnodes)

@@ -109,6 +109,12 @@ def install() -> None:
             setattr(dist, name, counted)
 
 
+def add(name: str, tensor: torch.Tensor) -> None:
+    """Count a send that no wrapper sees (`isend`, which P2POp needs unwrapped)."""
+    _bytes[name] = _bytes.get(name, 0) + _tensor_bytes(tensor)
+    _calls[name] = _calls.get(name, 0) + 1
+
+
 def payload_bytes() -> int:
     """Bytes handed to torch.distributed since install()."""
     return sum(_bytes.values())

@@ -39,7 +39,7 @@ def functional_collective_s(events: Any) -> float:
 
 
 @contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
+def quiet_native_stderr() -> Iterator[None]:
     """Silence what native code writes to file descriptor 2 (the profiler backend
     announces every start and stop there, on every rank's console)."""
     sys.stderr.flush()
@@ -60,13 +60,13 @@ def measure_tp_comm(fn: Callable[[], T], device: torch.device) -> tuple[T, float
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    with _quiet_native_stderr():
+    with quiet_native_stderr():
         prof.start()
     try:
         result = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             prof.stop()
     return result, functional_collective_s(prof.events())

@@ -10,6 +10,10 @@ group is contiguous, so it stays inside a node when it fits), data parallel next
 pipeline stages outermost. The mesh is `("pp", "dp", "tp")`;
 global rank = tp_rank + tp * (dp_rank + dp * pp_rank).
 
+Under `parallel.mode: parameter_server` there is no mesh: the first `dp` ranks are
+workers (data parallel replicas, global rank 0 among them) and the last `servers`
+ranks hold the parameters and optimizer state (parallel/param_server.py).
+
 Validation is plain Python (no torch import) so `meshforge train` refuses a bad
 layout before any worker starts; each error names the fields involved.
 """
@@ -65,6 +69,10 @@ class ParallelDims:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     microbatches: int = 1  # per data-parallel rank per optimizer step
+    # parallel.mode: parameter_server: the last `servers` ranks, after dp workers
+    servers: int = 0
+    ps_sync: bool = True
+    max_staleness: int = 0
 
     # -- construction and validation ----------------------------------------------
     @classmethod
@@ -72,8 +80,8 @@ class ParallelDims:
         """The layout of `cfg` on `world_size` ranks; ConfigError naming the fields if
         it cannot train there."""
         p = cfg._parallel()
-        if p.mode != "collective":
-            raise ConfigError("parallel.mode=parameter_server is not available yet; use collective")
+        if p.mode == "parameter_server":
+            return cls._parameter_server(cfg, world_size)
         check_model_split(cfg)
         model_ranks = p.tp * p.pp
         if world_size % model_ranks:
@@ -118,10 +126,63 @@ class ParallelDims:
             microbatches=m,
         )
 
+    @classmethod
+    def _parameter_server(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
+        """Workers train full replicas (dp = workers, as data parallel); the last
+        `parallel.ps.servers` ranks serve. check_comm has refused zero, tp, pp and comm."""
+        from meshforge.config import ParameterServerConfig
+
+        p = cfg._parallel()
+        ps = p.ps or ParameterServerConfig()
+        check_model_split(cfg)
+        workers = world_size - ps.servers
+        if workers < 1:
+            raise ConfigError(
+                f"parallel.ps.servers={ps.servers} leaves no worker in world size {world_size}"
+            )
+        if p.dp != "auto" and p.dp != workers:
+            raise ConfigError(
+                f"parallel.dp={p.dp} does not equal the workers of world size {world_size}: "
+                f"{world_size} - parallel.ps.servers={ps.servers} = {workers}"
+            )
+        if cfg.precision.dtype == "fp16":
+            raise ConfigError(
+                "precision.dtype=fp16 with parallel.mode=parameter_server is not supported "
+                "(its loss scaler would have to agree across workers); use bf16"
+            )
+        t = cfg.train
+        if t.global_batch % (workers * t.micro_batch):
+            raise ConfigError(
+                f"train.global_batch={t.global_batch} is not divisible by "
+                f"workers={workers} x train.micro_batch={t.micro_batch} "
+                f"(world size {world_size} - parallel.ps.servers={ps.servers} workers)"
+            )
+        return cls(
+            dp=workers,
+            tp=1,
+            pp=1,
+            microbatches=t.global_batch // (workers * t.micro_batch),
+            servers=ps.servers,
+            ps_sync=ps.sync,
+            max_staleness=ps.max_staleness,
+        )
+
     # -- degrees --------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        return self.dp * self.tp * self.pp + self.servers
+
+    @property
+    def parameter_server(self) -> bool:
+        return self.servers > 0
+
+    @property
+    def compute_ranks(self) -> int:
+        """Ranks that run the model: the world, or the workers of a parameter server."""
         return self.dp * self.tp * self.pp
+
+    def is_server(self, rank: int) -> bool:
+        return rank >= self.compute_ranks
 
     @property
     def tp_enabled(self) -> bool:
@@ -137,6 +198,14 @@ class ParallelDims:
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
+        if self.parameter_server:
+            out.update(
+                mode="parameter_server",
+                servers=self.servers,
+                workers=self.dp,
+                sync=self.ps_sync,
+                max_staleness=self.max_staleness,
+            )
         if self.tp_enabled:
             out["sequence_parallel"] = self.sequence_parallel
         if self.pp_enabled:
@@ -158,6 +227,9 @@ class ParallelDims:
         """One DeviceMesh over the world with named dimensions ("pp", "dp", "tp");
         a dimension of size 1 is kept so every layout names the same dimensions."""
         from torch.distributed.device_mesh import init_device_mesh
+
+        if self.parameter_server:
+            raise ValueError("a parameter-server layout has no device mesh")
 
         return init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 

@@ -13,6 +13,8 @@ Data parallel, by ZeRO stage:
   1  DDP + ZeroRedundancyOptimizer (dp only; refused with tp/pp by ParallelDims)
   2  FSDP2 per block, parameters kept unsharded from forward to the end of backward
   3  FSDP2 per block, resharded after forward
+parallel.comm (compression hooks, deferred reduction, prefetch, reduce dtype) is
+applied by parallel/comm.py.
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 from meshforge.config import JobConfig
 from meshforge.models.gpt import GPT
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+from meshforge.parallel.comm import (
+    DTYPES,
+    FlatGradReduction,
+    mixed_precision,
+    register_compression,
+    set_prefetch,
+)
 from meshforge.parallel.dims import ParallelDims
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -48,12 +55,15 @@ class ModelParts:
                parameter names are those of the full GPT.
     callables: what forward is called on (the DDP wrapper under plain DDP).
     wrapper:   "ddp", "fsdp", "replicate" or "none".
+    deferred:  under DDP with parallel.comm.overlap false, the reduction run after
+               backward (every micro-batch then runs under no_sync); else None.
     """
 
     modules: list[GPT]
     callables: list[nn.Module]
     wrapper: str
     dtype: str
+    deferred: FlatGradReduction | None = None
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -76,7 +86,10 @@ class ModelParts:
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """Skip gradient reduction on all but the last micro-batch of a step."""
+        """Skip gradient reduction on all but the last micro-batch of a step (on all of
+        them when the reduction is deferred to `reduce_gradients`)."""
+        if self.deferred is not None:
+            enabled = False
         if enabled or self.wrapper == "none":
             yield
             return
@@ -94,6 +107,13 @@ class ModelParts:
         finally:
             for m in fsdp:
                 m.set_requires_gradient_sync(True)
+
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: average the gradients across data-parallel
+        ranks when the reduction was deferred (the wrappers reduce them in backward
+        otherwise)."""
+        if self.deferred is not None:
+            self.deferred(list(self.parameters()))
 
 
 def build_gpt(
@@ -127,28 +147,32 @@ def build_gpt(
                 block.compile()
     wrapper = _data_parallel_kind(dims)
     if wrapper in ("fsdp", "replicate"):
-        mp = MixedPrecisionPolicy(
-            param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=torch.float32
-        )
+        mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)
         for m in modules:
-            _shard(m, wrapper, dims.zero, mesh["dp"], mp if cfg.precision.dtype != "fp32" else None)
+            _shard(m, wrapper, dims.zero, mesh["dp"], mp, p.comm.prefetch)
     for m in modules:
         m.to_empty(device=device)
         m.tie_weights()
         m.init_weights(t.seed)
     callables: list[nn.Module] = list(modules)
+    deferred = None
     if wrapper == "ddp":
+        group = mesh["dp"].get_group()
         callables = [
             DistributedDataParallel(
                 m,
                 device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=mesh["dp"].get_group(),
+                process_group=group,
                 bucket_cap_mb=p.comm.bucket_mb,
                 gradient_as_bucket_view=True,
             )
             for m in modules
         ]
-    return ModelParts(modules, callables, wrapper, cfg.precision.dtype)
+        for ddp in callables:
+            register_compression(ddp, p.comm, group)
+        if not p.comm.overlap:
+            deferred = FlatGradReduction(group, p.comm.bucket_mb)
+    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred)
 
 
 def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -164,7 +188,12 @@ def _data_parallel_kind(dims: ParallelDims) -> str:
 
 
 def _shard(
-    m: GPT, wrapper: str, zero: int, dp_mesh: DeviceMesh, mp: MixedPrecisionPolicy | None
+    m: GPT,
+    wrapper: str,
+    zero: int,
+    dp_mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy | None,
+    prefetch: int | None,
 ) -> None:
     kwargs = {} if mp is None else {"mp_policy": mp}
     if wrapper == "replicate":
@@ -178,6 +207,8 @@ def _shard(
     # forward, since backward starts with the head; resharding it would add an
     # all-gather that nothing can hide. ZeRO-2 keeps every unit gathered.
     fully_shard(m, mesh=dp_mesh, reshard_after_forward=None if zero == 3 else False, **kwargs)
+    if prefetch is not None:
+        set_prefetch(m, list(m.blocks.values()), prefetch)
 
 
 # -- shared model-side operations -------------------------------------------------------

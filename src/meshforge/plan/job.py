@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from meshforge.config import JobConfig
+from meshforge.errors import ConfigError
 from meshforge.plan.auto import HostCosts, host_step_time, shape_of
 from meshforge.plan.flops import params_per_rank
 from meshforge.plan.layout import Layout
@@ -20,8 +21,14 @@ from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
 
 
+def _collective_only(cfg: JobConfig) -> None:
+    if cfg.parallel != "auto" and cfg.parallel.mode == "parameter_server":
+        raise ConfigError("the planner models parallel.mode=collective only, not parameter_server")
+
+
 def param_bytes_per_rank(cfg: JobConfig, world_size: int) -> float:
     """Bytes of the parameters one rank holds (the planner's count)."""
+    _collective_only(cfg)
     p = cfg.parallel
     rank_params = params_per_rank(shape_of(cfg), p.tp, p.pp).total
     dp = cfg.resolve_dp(world_size)
@@ -45,6 +52,7 @@ def predict_for_job(
     recomputation: it is predicted as half the layers with `none` and half with
     `full` (memory and time are sums over layers). `memory_total_bytes` adds
     `runtime_bytes` (the process's own baseline on a CPU) to the planner's total."""
+    _collective_only(cfg)
     dp = cfg.resolve_dp(world_size)
     p, t = cfg.parallel, cfg.train
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, virtual_stages=p.virtual_stages)

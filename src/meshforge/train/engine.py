@@ -1,7 +1,7 @@
 """The engine of a run, assembled in one place: layout -> mesh -> model parts ->
-optimizers -> step strategy. The trainer (and a test, or a later capability such
-as a parameter server) builds one and asks it for steps; nothing else wires these
-pieces together."""
+optimizers -> step strategy; under parallel.mode: parameter_server, a worker's
+replica or a server's shard instead (train/ps_step.py). The trainer (and a test)
+builds one and asks it for steps; nothing else wires these pieces together."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from meshforge.config import JobConfig
 from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.parallelize import ModelParts, build_gpt, param_digest
 from meshforge.train.optim import Optimizers
+from meshforge.train.ps_step import build_parameter_server
 from meshforge.train.step import StepStrategy, make_step
 
 
@@ -32,6 +33,8 @@ class Engine:
         """Collective: every rank builds its engine at the same time. The default
         process group must be initialised."""
         dims = cfg.dims(world_size)
+        if dims.parameter_server:
+            return ParameterServerEngine.build_ps(cfg, dims, rank, device)
         mesh = dims.build_mesh(device)
         parts = build_gpt(cfg, dims, mesh, device)
         optimizers = Optimizers(cfg, parts, mesh["dp"], device)
@@ -39,11 +42,43 @@ class Engine:
         return cls(cfg, dims, mesh, parts, optimizers, strategy, rank)
 
     @property
-    def dp_rank(self) -> int:
+    def dp_rank(self) -> int | None:
         return self.mesh["dp"].get_local_rank()
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank trains on data (a parameter server does not)."""
+        return True
 
     def param_digest(self) -> str:
         """sha256 of the full parameters in name order, on global rank 0 ("" elsewhere).
         Collective."""
         coords = self.dims.coords(self.rank)
         return param_digest(self.parts, holder=coords["dp"] == 0 and coords["tp"] == 0)
+
+
+@dataclass
+class ParameterServerEngine(Engine):
+    """parallel.mode: parameter_server (train/ps_step.py): no mesh; a worker holds a
+    replica, a server a shard of the parameters and of the optimizer state."""
+
+    @classmethod
+    def build_ps(
+        cls, cfg: JobConfig, dims: ParallelDims, rank: int, device: torch.device
+    ) -> ParameterServerEngine:
+        parts, optimizers, strategy, _ = build_parameter_server(cfg, dims, rank, device)
+        return cls(cfg, dims, None, parts, optimizers, strategy, rank)  # type: ignore[arg-type]
+
+    @property
+    def dp_rank(self) -> int | None:
+        """A worker's index, which says what it reads; None on a server."""
+        return None if self.dims.is_server(self.rank) else self.rank
+
+    @property
+    def reads_data(self) -> bool:
+        return not self.dims.is_server(self.rank)
+
+    def param_digest(self) -> str:
+        """Over the servers' parameters: under asynchronous training a worker's replica
+        may be older than what the servers hold."""
+        return param_digest(self.parts, holder=self.dims.is_server(self.rank))

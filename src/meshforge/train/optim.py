@@ -41,7 +41,9 @@ class Optimizers:
         self.zero1 = cfg._parallel().zero == 1
         self.optimizers: list[torch.optim.Optimizer] = []
         for m in parts.modules:
-            groups = param_groups(m, t.weight_decay)
+            # a parameter server's shard may hold no matrix, or nothing but matrices:
+            # torch's flat optimizer state cannot load into an empty group
+            groups = [g for g in param_groups(m, t.weight_decay) if g["params"]]
             if self.zero1:
                 opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
                     groups,

@@ -101,6 +101,11 @@ def build_report(
         ],
     }
     report["restarts"] = restarts_of_this_run(trainer.run_dir)
+    if trainer.dims.parameter_server:
+        from meshforge.parallel.param_server import summarise
+
+        servers = [r["parameter_server"] for r in per_rank if r.get("parameter_server")]
+        report["parameter_server"] = summarise(servers, trainer.dims)
     if trainer.stopped is not None:
         report["status"] = "stopped"
         report["stopped"] = trainer.stopped

@@ -4,9 +4,12 @@ The training loop asks a strategy for one step and gets the losses, the gradient
 norm and timings back; it never asks which ZeRO stage, TP or PP degree it runs.
 
   AccumulatingStep  dp / ZeRO / TP: forward+backward per micro-batch, gradient
-                    reduction only on the last one (no_sync).
+                    reduction only on the last one (no_sync), or after it when
+                    parallel.comm.overlap is off.
   PipelinedStep     pp > 1: the step's micro-batches are the pipeline's
                     micro-batches, run by a torch.distributed.pipelining schedule.
+  WorkerStep,       parallel.mode: parameter_server (train/ps_step.py, built by
+  ServerStep        Engine.build): workers push gradients, servers update.
 
 Both then unscale (fp16), take the global gradient norm over the dp, tp and pp
 groups, clip, and step the optimizers at the step's learning rate.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,6 +110,10 @@ class StepStrategy:
         holders = self.dims.dp * self.dims.tp  # one copy per tp rank of the last stage
         return value / holders
 
+    def server_counters(self) -> dict[str, Any] | None:
+        """A parameter server's counters for the report (train/ps_step.py); else None."""
+        return None
+
     # -- one optimizer step -----------------------------------------------------------------
     def step(self, step: int, micro_batches: Batch, measure: bool) -> StepResult:
         self.optimizers.set_lr(step)
@@ -150,6 +158,8 @@ class AccumulatingStep(StepStrategy):
                     loss = self._loss(x, y)
                 self._phase("backward")
                 self.optimizers.scale(loss / accum).backward()
+            if i == accum - 1:  # timed with the last micro-batch: the step's exposed reduction
+                self.parts.reduce_gradients()
             if measure:
                 self.sync()
                 micro_s.append(time.perf_counter() - tm)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshforge.config import JobConfig
 from meshforge.data.corpus import load_tokens
-from meshforge.data.loader import DistributedBatchLoader, val_batches
+from meshforge.data.loader import DistributedBatchLoader, NoBatches, val_batches
 from meshforge.errors import ConfigError
 from meshforge.launch.local import is_peer_failure, recorded_failures
 from meshforge.models.gpt import GPT, shape_of
@@ -38,6 +38,7 @@ from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.straggler import StragglerWatch
+from meshforge.observe.trace import StepTracer, parse_steps
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.flops import gpt_param_count, training_flops_per_token
 from meshforge.runtime.agree import host_of_rank
@@ -223,15 +224,17 @@ class Trainer:
         Each rank evaluates its dp slice, a micro-batch at a time (a pipeline step's
         worth under pp)."""
         c = self.cfg
-        batches = val_batches(
-            self.splits.val,
-            c.model.seq_len,
-            c.train.global_batch,
-            c.train.eval_batches,
-            self.dp_rank,
-            self.dp,
-            c.train.seed,
-        )
+        batches = []  # a parameter server's: it only joins the reduction
+        if self.engine.reads_data:
+            batches = val_batches(
+                self.splits.val,
+                c.model.seq_len,
+                c.train.global_batch,
+                c.train.eval_batches,
+                self.dp_rank,
+                self.dp,
+                c.train.seed,
+            )
         chunk = c.train.micro_batch * (self.accum if self.dims.pp_enabled else 1)
         self.parts.train(False)
         total = torch.zeros((), device=self.device)
@@ -241,7 +244,7 @@ class Trainer:
                 total += self.strategy.eval_loss(x[i : i + chunk], y[i : i + chunk])
                 count += 1
         self.parts.train(True)
-        return self.strategy.reduce_loss(total / count).item()
+        return self.strategy.reduce_loss(total / max(count, 1)).item()
 
     # -- the run ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -250,24 +253,28 @@ class Trainer:
         sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_main else None
         peak = detect_peak_flops(self.device, c.precision.dtype, torch.get_num_threads())
         # the sharded-optimizer timing runs on the dp mesh when it spans the world
-        whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
-        group = self.mesh["dp"] if whole else None
-        self.machine_profile = measure_profile(self.device, c.precision.dtype, group, c)
+        self.machine_profile = None  # the planner does not model a parameter server
+        if not self.dims.parameter_server:
+            whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
+            group = self.mesh["dp"] if whole else None
+            self.machine_profile = measure_profile(self.device, c.precision.dtype, group, c)
         resumed_from = self._resume()
         start = resumed_from or 0
         if rt.is_main:
             self._record_restart(resumed_from)
-        loader = DistributedBatchLoader(
-            self.splits.train,
-            c.model.seq_len,
-            t.global_batch,
-            t.micro_batch,
-            self.dp_rank,
-            self.dp,
-            t.seed,
-            start,
-            c.data.prefetch,
-        )
+        loader: DistributedBatchLoader | NoBatches = NoBatches(start)  # a parameter server
+        if self.engine.reads_data:
+            loader = DistributedBatchLoader(
+                self.splits.train,
+                c.model.seq_len,
+                t.global_batch,
+                t.micro_batch,
+                self.dp_rank,
+                self.dp,
+                t.seed,
+                start,
+                c.data.prefetch,
+            )
         rows: list[dict[str, Any]] = []
         pipeline_times: list[tuple[float, float]] = []  # (busy, wall) of steady steps
         last_loss: float | None = None
@@ -277,6 +284,7 @@ class Trainer:
         tp_sampled = False
         started = time.perf_counter()
         progress = TrainingProgress(t.steps, start, rt.is_main, c.name)
+        tracer = StepTracer(self.run_dir, rt.rank, parse_steps(c.observe.trace_steps), self.device)
         with loader, progress:
             self.progress = progress
             if resumed_from is not None:
@@ -288,6 +296,7 @@ class Trainer:
             for step in range(start, t.steps):
                 logging_step = (step + 1) % c.observe.log_every == 0 or step + 1 == t.steps
                 self.stop.begin_step()
+                tracer.begin(step + 1)
                 t0 = time.perf_counter()
                 fl.set_phase("data")
                 batch = next(loader)
@@ -301,7 +310,9 @@ class Trainer:
                         x0.to(self.device), y0.to(self.device)
                     )
                     t0 = time.perf_counter() - data_s
-                if logging_step and self.dims.tp_enabled and not tp_sampled and step > start:
+                # one profiler at a time: a traced step leaves the TP sample to a later one
+                sample_tp = self.dims.tp_enabled and not tracer.traces(step + 1)
+                if logging_step and sample_tp and not tp_sampled and step > start:
                     # one profiled step per run: the time in tensor-parallel collectives
                     result, tp_comm_s = measure_tp_comm(
                         functools.partial(self.strategy.step, step, batch.micro_batches, True),
@@ -324,7 +335,10 @@ class Trainer:
                     fl.set_phase("metrics")
                     steady = not first_interval  # the first interval includes start-up
                     comm = self._comm_interval(marks, interval_steps, steady)
-                    own_s, stragglers = self.stragglers.exchange(skip=first_interval)
+                    ps = self.dims.parameter_server  # servers run no model: judge workers
+                    own_s, stragglers = self.stragglers.exchange(skip=first_interval or ps)
+                    if ps and not first_interval:
+                        stragglers = self.stragglers.judge(own_s[: self.dp])
                     first_interval = False
                     loss_value = self.strategy.reduce_loss(result.loss_sum / self.accum).item()
                     self.strategy.sync()
@@ -362,6 +376,7 @@ class Trainer:
                         log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
 
                 done = step + 1
+                tracer.end(done)
                 fl.progress(done)
                 every = c.checkpoint.every
                 stop = self.stop.end_step()  # the same answer on every rank
@@ -382,6 +397,7 @@ class Trainer:
                     self.stopped = {"step": done, "signal": self.stop.requested_by}
                     progress.log(f"stopped after step {done} (checkpoint written)")
                     break
+            tracer.close()
             fl.set_phase("report")
             if state_bytes is None:  # resumed from the final checkpoint, or stopped
                 state_bytes = self.model_state_bytes()
@@ -395,10 +411,13 @@ class Trainer:
             "state": state_bytes,
             "peak": peak_memory_bytes(self.device),
             "pipeline": _bubble_of(pipeline_times),
+            "parameter_server": self.strategy.server_counters(),
             "comm": _comm_summary(self.comm_samples, self.rt.env.local_rank == 0),
         }
         gathered: list[Any] = [None] * rt.world_size
         dist.all_gather_object(gathered, per_rank)
+        if rt.is_main:  # every rank has written its trace before the gather
+            tracer.merge(rt.world_size)
         report = None
         if rt.is_main:
             report = build_report(
@@ -460,12 +479,18 @@ class Trainer:
         return row
 
     # -- communication ----------------------------------------------------------------------
+    def _no_peers(self) -> bool:
+        """Nothing to communicate: one data-parallel rank and no parameter server."""
+        return self.dp == 1 and not self.dims.parameter_server
+
     def _needs_reference(self) -> bool:
         """Whether exposed data-parallel communication is measured against a replica:
         the whole model on this rank (tp = pp = 1), data-parallel peers, and no other
         micro-batch of the step runs without communication (DDP's no_sync ones do;
         FSDP gathers parameters in every one)."""
-        if self.dp == 1 or self.dims.tp_enabled or self.dims.pp_enabled:
+        if self._no_peers() or self.dims.tp_enabled or self.dims.pp_enabled:
+            return False
+        if not self.engine.reads_data:  # a parameter server: no model to time
             return False
         return not (self.parts.wrapper == "ddp" and self.accum > 1)
 
@@ -477,8 +502,13 @@ class Trainer:
             )
         if self.dims.tp_enabled:
             return "tensor-parallel collectives profiled in one sampled step"
-        if self.dp == 1:
+        if self._no_peers():
             return "none: no data-parallel peers"
+        if self.dims.parameter_server:
+            return (
+                "worker's forward+backward with its push and pull, minus a "
+                "communication-free replica's forward+backward"
+            )
         if self._needs_reference():
             return "forward+backward minus a communication-free replica's, per micro-batch"
         return "synchronising micro-batch minus the step's no_sync micro-batches"
@@ -495,7 +525,7 @@ class Trainer:
             return self.tp_comm_s or 0.0
         if self.dims.tp_enabled:
             return self.tp_comm_s
-        if self.dp == 1:
+        if self._no_peers():
             return 0.0
         if not micro_s:
             return None
@@ -523,7 +553,8 @@ class Trainer:
     def _mfu(self, tokens_per_s: float, peak: PeakFlops) -> float | None:
         if not peak.flops_per_s:
             return None
-        per_device = tokens_per_s * self.flops_per_token / self.rt.world_size
+        # per device that runs the model: parameter servers run none of its FLOPs
+        per_device = tokens_per_s * self.flops_per_token / self.dims.compute_ranks
         return per_device / peak.flops_per_s
 
 
