@@ -105,10 +105,19 @@ def prepare_job(
 
 def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
     dims = cfg.dims(world)
+    if dims.parameter_server:
+        kind = "synchronous" if dims.ps_sync else f"asynchronous, staleness <= {dims.max_staleness}"
+        return (
+            f"meshforge: training {cfg.name!r} on {world} process(es): {dims.dp} worker(s) + "
+            f"{dims.servers} parameter server(s) ({kind}) micro-batches={dims.microbatches} "
+            f"dtype={cfg.precision.dtype} -> {run_dir}"
+        )
     pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
+    comm = cfg._parallel().comm
+    extra = f" compression={comm.compression}" if comm.compression != "none" else ""
     return (
         f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
-        f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches} "
+        f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches}{extra} "
         f"dtype={cfg.precision.dtype} -> {run_dir}"
     )
 
