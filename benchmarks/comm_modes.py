@@ -2,7 +2,7 @@
 efficiency of one GPT on two hosts for each communication mode.
 
   ddp              DDP, bucketed all-reduce overlapped with backward (the default)
-  ddp, no overlap  DDP, gradients all-reduced after backward
+  ddp no-overlap   DDP, gradients all-reduced after backward
   bf16 hook        DDP with gradients compressed to bf16 for the all-reduce
   powersgd r4      DDP with PowerSGD rank 4 (after 2 plain steps)
   ps sync          parameter server, 1 server + 2 workers, one averaged update per step
@@ -42,7 +42,7 @@ PER_HOST_BATCH = 8
 
 MODES: dict[str, dict] = {
     "ddp": {"zero": 0},
-    "ddp, no overlap": {"zero": 0, "comm": {"overlap": False}},
+    "ddp no-overlap": {"zero": 0, "comm": {"overlap": False}},
     "bf16 hook": {"zero": 0, "comm": {"compression": "bf16"}},
     "powersgd r4": {"zero": 0, "comm": {"compression": "powersgd", "powersgd_rank": 4,
                                          "powersgd_warmup": 2}},

@@ -467,9 +467,12 @@ def train_on_hosts(
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
-    for p, (out, err) in zip(procs, outputs, strict=True):
-        if p.returncode != 0:
-            raise AssertionError(
-                f"meshforge train failed ({p.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
+    if any(p.returncode for p in procs):
+        raise AssertionError(
+            "meshforge train failed: "
+            + "\n".join(
+                f"--- host {i} exit {p.returncode}:\n{out[-1500:]}\n{err[-6000:]}"
+                for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True))
             )
+        )
     return outputs

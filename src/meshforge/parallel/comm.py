@@ -49,7 +49,10 @@ def register_compression(
             start_powerSGD_iter=comm.powersgd_warmup,
             random_seed=0,  # every rank draws the same initial factors
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend(group) == "gloo":
+            hook = _powersgd_bucket_by_bucket
+        ddp.register_comm_hook(state, hook)
         return
     hook = {
         "bf16": default_hooks.bf16_compress_hook,
@@ -69,6 +72,21 @@ def _bf16_compress_hook_on_gloo(process_group, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _powersgd_bucket_by_bucket(state, bucket):
+    """torch's powerSGD_hook, one bucket at a time. PowerSGD all-reduces P, and then
+    Q from P's completion callback, which runs on a gloo thread; with several buckets
+    in flight, one rank may start bucket 0's Q before bucket 1's P while its peer does
+    the reverse. gloo matches collectives by their order, so the two all-reduces of
+    different sizes meet and gloo aborts the process (`op.preamble.length <=
+    op.nbytes`). Waiting for each bucket before backward hands over the next keeps
+    every rank's order the same; backward stalls for the bucket's communication."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    fut = powerSGD_hook.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
 
 
 class FlatGradReduction:
