@@ -5,13 +5,15 @@ efficiency of one GPT on two hosts for each communication mode.
   ddp no-overlap   DDP, gradients all-reduced after backward
   bf16 hook        DDP with gradients compressed to bf16 for the all-reduce
   powersgd r4      DDP with PowerSGD rank 4 (after 2 plain steps)
-  ps sync          parameter server, 1 server + 2 workers, one averaged update per step
+  ps sync          parameter server, 2 servers + 2 workers, one averaged update per step
   ps async K=2     parameter server, updates applied on arrival, staleness at most 2
 
 Two hosts are network namespaces joined by a veth pair whose ends are capped with
-`tbf` (1 Gbit/s, then 200 Mbit/s); one worker per host (the parameter server shares
-host 0... or 1, as the rendezvous orders the nodes, with one worker). Each host's worker
-gets one thread, so the two hosts together use the machine's two cores. The per-host
+`tbf` (1 Gbit/s, then 200 Mbit/s); one worker per host. meshforge launches the same
+number of processes on every node, and servers are the last ranks, so the
+parameter-server runs put both workers on one host and both servers on the other:
+every push and pull crosses the link. Each worker gets one thread, so the workers
+together use the machine's two cores. The per-host
 batch is fixed (weak scaling): scaling efficiency is tokens/s on two hosts over twice
 the tokens/s of one worker alone on one host, measured in the same run. Needs root.
 
@@ -46,9 +48,9 @@ MODES: dict[str, dict] = {
     "bf16 hook": {"zero": 0, "comm": {"compression": "bf16"}},
     "powersgd r4": {"zero": 0, "comm": {"compression": "powersgd", "powersgd_rank": 4,
                                          "powersgd_warmup": 2}},
-    "ps sync": {"mode": "parameter_server", "ps": {"servers": 1, "sync": True}},
+    "ps sync": {"mode": "parameter_server", "ps": {"servers": 2, "sync": True}},
     "ps async K=2": {"mode": "parameter_server",
-                     "ps": {"servers": 1, "sync": False, "max_staleness": 2}},
+                     "ps": {"servers": 2, "sync": False, "max_staleness": 2}},
 }  # fmt: skip
 
 
@@ -87,8 +89,8 @@ def two_hosts(tmp: Path, steps: int, hosts, name: str, parallel: dict) -> dict:
     cfg = tmp / "two.yaml"
     cfg.write_text(yaml.safe_dump(job(steps, 2, parallel)))
     run_dir = tmp / f"two-{time.monotonic_ns()}"
-    # the parameter server's own rank lives on the second node
-    nproc = [1, 2] if parallel.get("mode") == "parameter_server" else 1
+    # 2 workers + 2 servers: two processes per node
+    nproc = 2 if parallel.get("mode") == "parameter_server" else 1
     train_on_hosts(hosts, cfg, run_dir, nproc_per_node=nproc, timeout_s=900)
     return _report(run_dir)
 

@@ -378,6 +378,8 @@ def _step_of(ev: Evidence, r: Rank) -> tuple[int, bool]:
 
 
 def _where(ev: Evidence, r: Rank) -> str:
+    if not any(p.flight for p in ev.ranks.values()):
+        return "at a step nothing recorded (observe.flight is off)"
     step, inside = _step_of(ev, r)
     if inside:
         return f"in {r.flight.get('phase')} at step {step}"
