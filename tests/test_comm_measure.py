@@ -43,8 +43,10 @@ def test_exposed_communication_grows_on_a_capped_link(tmp_path):
         assert r["nodes"] == 2
         assert comm["exposed_s"] is not None and comm["exposed_fraction"] is not None
         assert "replica" in comm["method"] or "no_sync" in comm["method"]
-        assert r["time_breakdown"]["exposed_comm"] > 0
         assert len(comm["hosts"]) == 2
+    # uncapped, the veth hides nearly all of it (on a busy machine the estimate can be
+    # 0); capped at 200 Mbit/s, 1.6 MB per step cannot hide
+    assert slow["time_breakdown"]["exposed_comm"] > 0
     assert slow["communication"]["exposed_s"] > fast["communication"]["exposed_s"]
     assert slow["time_breakdown"]["exposed_comm"] > fast["time_breakdown"]["exposed_comm"]
 

@@ -376,7 +376,7 @@ def _format_validation_error(exc: ValidationError) -> str:
     if not loc or msg.startswith(f"{loc}."):  # the message names the field itself
         return msg
     value = err.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    shown = "" if isinstance(value, dict) or repr(value) in msg else f" (got {value!r})"
     return f"{loc}: {msg}{shown}"
 
 

@@ -312,9 +312,14 @@ def _stopped(ev: Evidence, reported: bool) -> dict[str, Any]:
             "the same command resumes from it"
         )
     else:
+        again = (
+            "resumes from the last checkpoint"
+            if any((Path(ev.run_dir) / "checkpoints").glob("step-*"))
+            else "starts over (no checkpoint was written)"
+        )
         summary = (
             f"the run was stopped by {sig} before its workers confirmed a checkpoint; the "
-            "same command resumes from the last checkpoint"
+            f"same command {again}"
         )
     result = _verdict(ev, "stopped", [], summary, [])
     result["step"] = (stopped or {}).get("step")

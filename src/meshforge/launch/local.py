@@ -208,7 +208,11 @@ def run_elastic(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch's elastic loggers carry their own levels (LOGLEVEL): quiet each, so a stop
+    # prints meshforge's one line, not the agent's "Received 2 death signal" too
+    for name in ["torch.distributed.elastic", *logging.Logger.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     clear_recorded_failures(run_dir / "health")
     launch = elastic_launch(config, cmd)
     watchdog = AgentWatchdog(max(grace_s, 30.0), config.max_restarts)
@@ -363,4 +367,6 @@ def _where_to_resume(run_dir: Path, since: float) -> str:
             f"the workers wrote a checkpoint at step {stopped['step']}; the same command "
             "resumes from it"
         )
+    if not any((run_dir / "checkpoints").glob("step-*")):
+        return "the workers were stopped before any checkpoint; the same command starts over"
     return "the workers were stopped; the same command resumes from the last checkpoint"

@@ -115,6 +115,9 @@ def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
     pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
     comm = cfg._parallel().comm
     extra = f" compression={comm.compression}" if comm.compression != "none" else ""
+    extra += "" if comm.overlap else " overlap=off"
+    extra += f" prefetch={comm.prefetch}" if comm.prefetch is not None else ""
+    extra += f" reduce={comm.reduce_dtype}" if comm.reduce_dtype != "fp32" else ""
     return (
         f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
         f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches}{extra} "

@@ -133,7 +133,8 @@ class StepTracer:
             return None
         path = merge_traces(self.path.parent.parent, world_size)
         if path is not None:
-            print(f"meshforge: timeline of steps {steps_text(self._traced)}: {path}", flush=True)
+            what = "step" if len(self._traced) == 1 else "steps"
+            print(f"meshforge: timeline of {what} {steps_text(self._traced)}: {path}", flush=True)
         return path
 
     def close(self) -> None:

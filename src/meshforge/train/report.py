@@ -135,7 +135,7 @@ def communication(
     rates = [h["tx_bytes_per_s"] for h in hosts if h.get("tx_bytes_per_s")]
     return {
         "mode": p.mode,
-        "settings": p.comm.model_dump() if p.mode == "collective" else None,
+        "settings": comm_settings(p),
         "method": trainer.comm_method(),
         "exposed_s": exposed,
         "exposed_fraction": exposed / step_s if exposed is not None and step_s else None,
@@ -143,6 +143,22 @@ def communication(
         "hosts": hosts,
         "achieved_bytes_per_s": _median(rates),
     }
+
+
+def comm_settings(p: Any) -> dict[str, Any] | None:
+    """The parallel.comm settings that apply to the layout (config.check_comm refuses
+    the others), as they were in effect."""
+    if p.mode != "collective":
+        return None
+    c = p.comm
+    if p.is_ddp:
+        out = {"bucket_mb": c.bucket_mb, "overlap": c.overlap, "compression": c.compression}
+        if c.compression == "powersgd":
+            out.update(powersgd_rank=c.powersgd_rank, powersgd_warmup=c.powersgd_warmup)
+        return out
+    if p.zero >= 2:
+        return {"prefetch": c.prefetch, "reduce_dtype": c.reduce_dtype}
+    return {}
 
 
 def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:
