@@ -304,6 +304,11 @@ class Trainer:
                 self.stragglers.add_data_wait(data_s)
                 fl.set_phase("forward")
                 faults.maybe_oom(step + 1, rt.rank)
+                if step == start:
+                    # every rank starts together: a peer still measuring the machine (its
+                    # first run there) would slow this rank's communication-free reference
+                    # and hide the exposed time
+                    dist.barrier()
                 if ref_compute_s is None and step == start and self._needs_reference():
                     x0, y0 = batch.micro_batches[0]
                     ref_compute_s = self._reference_compute_s(
