@@ -227,6 +227,16 @@ class CheckpointConfig(_Section):
     keep: int = Field(3, ge=1)
 
 
+class WandbConfig(_Section):
+    """Weights & Biases (the wandb package, when installed). Offline by default: the
+    run is written under RUN_DIR/wandb and `wandb sync` uploads it later; online sends
+    it as it trains (needs `wandb login` on rank 0's node)."""
+
+    project: str = Field(min_length=1)
+    mode: Literal["offline", "online"] = "offline"
+    entity: str | None = None
+
+
 class ObserveConfig(_Section):
     log_every: int = Field(10, ge=1)
     # Flight record: what each rank is doing, in RUN_DIR/health/flight-rank-K.json,
@@ -240,8 +250,64 @@ class ObserveConfig(_Section):
     # Steps written to RUN_DIR/trace.json as one Chrome/Perfetto timeline of every
     # rank (torch profiler): "" for none, "5" or "5-7" or "5,9".
     trace_steps: str = ""
+    # The per-node system sampler (observe/sampler.py): CPU, host memory, network per
+    # interface, GPUs through NVML, every sample_every_s seconds, in RUN_DIR/system/.
+    system: bool = True
+    sample_every_s: float = Field(2.0, gt=0)
+    # Memory health: advice when this share of reserved GPU memory holds no tensor.
+    fragmentation_threshold: float = Field(0.3, gt=0, lt=1)
+    # Sinks beside metrics.jsonl (observe/sinks.py): TensorBoard event files in
+    # RUN_DIR/tensorboard; a Prometheus endpoint per node (its first rank serves every
+    # rank of the node, metrics named meshforge_*); Weights & Biases.
     tensorboard: bool = False
     prometheus_port: int | None = Field(None, ge=1, le=65535)
+    prometheus_addr: str = "127.0.0.1"
+    wandb: WandbConfig | None = None
+
+    @field_validator("prometheus_port", mode="before")
+    @classmethod
+    def _port_only(cls, value: Any) -> Any:
+        """A port number; an address belongs in prometheus_addr, said out loud."""
+        if isinstance(value, str) and not value.strip().isdigit():
+            raise ValueError(
+                f"observe.prometheus_port takes a port number, not {value!r}; the endpoint "
+                "listens on 127.0.0.1 unless observe.prometheus_addr names another address"
+            )
+        return value
+
+    @field_validator("prometheus_addr")
+    @classmethod
+    def _ip_address(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"observe.prometheus_addr must be an IP address to listen on "
+                f"(127.0.0.1, 0.0.0.0, ...), not {value!r}"
+            ) from None
+        return value
+
+    def check_sinks(self) -> None:
+        """A sink whose package is missing is refused before anything starts."""
+        import importlib.util
+
+        wanted = [("tensorboard", self.tensorboard, "observe.tensorboard")]
+        wanted.append(("prometheus_client", self.prometheus_port, "observe.prometheus_port"))
+        wanted.append(("wandb", self.wandb, "observe.wandb"))
+        pip = {"prometheus_client": "prometheus-client"}
+        for module, used, key in wanted:
+            if used and importlib.util.find_spec(module) is None:
+                raise ConfigError(
+                    f"{key} needs the {module} package, which is not installed here: "
+                    f"pip install {pip.get(module, module)}"
+                )
+        if self.prometheus_port and not self.flight:
+            raise ConfigError(
+                "observe.prometheus_port serves the ranks' flight records; it needs "
+                "observe.flight: true"
+            )
 
     @field_validator("trace_steps", mode="before")
     @classmethod
@@ -320,8 +386,10 @@ class JobConfig(_Section):
         return self.parallel
 
     def check_trainable(self) -> None:
-        """Layouts this version cannot train fail before any worker starts."""
+        """Layouts this version cannot train, and sinks it cannot write, fail before any
+        worker starts."""
         self._parallel()
+        self.observe.check_sinks()
 
     # -- layout -------------------------------------------------------------
     def dims(self, world_size: int):  # -> ParallelDims (parallel/dims.py)

@@ -23,9 +23,11 @@ from meshforge.cli import data as _data  # noqa: E402,F401
 from meshforge.cli import diagnose as _diagnose  # noqa: E402,F401
 from meshforge.cli import plan as _plan  # noqa: E402,F401
 from meshforge.cli import preflight as _preflight  # noqa: E402,F401
+from meshforge.cli import report as _report  # noqa: E402,F401
 from meshforge.cli import sample as _sample  # noqa: E402,F401
 from meshforge.cli import scale as _scale  # noqa: E402,F401
 from meshforge.cli import submit as _submit  # noqa: E402,F401
+from meshforge.cli import top as _top  # noqa: E402,F401
 from meshforge.cli import train as _train  # noqa: E402,F401
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.observe.sampler import parse_net_dev
+
 # torch.distributed function -> the parameter holding what this rank contributes
 _PAYLOAD_ARG = {
     "all_reduce": "tensor",
@@ -134,14 +136,7 @@ def host_tx_bytes(path: str | Path = "/proc/net/dev") -> int | None:
     """Bytes transmitted by every interface of this host's network namespace, from the
     kernel's counters; None where they cannot be read."""
     try:
-        lines = Path(path).read_text().splitlines()[2:]
+        text = Path(path).read_text()
     except OSError:
         return None
-    total = 0
-    for line in lines:
-        if ":" not in line:
-            continue
-        fields = line.split(":", 1)[1].split()
-        if len(fields) >= 9:
-            total += int(fields[8])  # rx: bytes packets errs drop fifo frame compressed multicast
-    return total
+    return sum(tx for _rx, tx in parse_net_dev(text).values())

@@ -147,6 +147,7 @@ class FlightRecorder:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.phase, self.phase_since = "start", self.started
         self.step: int | None = None
+        self.step_time_s: float | None = None  # wall time of the last step
         self.last_progress = self.started
         self.call: str | None = None
         self.call_since: float | None = None
@@ -166,9 +167,11 @@ class FlightRecorder:
     def set_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.time()
 
-    def progress(self, step: int) -> None:
-        """`step` steps are done."""
+    def progress(self, step: int, step_time_s: float | None = None) -> None:
+        """`step` steps are done, the last in `step_time_s` seconds."""
         self.step, self.last_progress = step, time.time()
+        if step_time_s is not None:
+            self.step_time_s = step_time_s
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> FlightRecorder:
@@ -226,6 +229,7 @@ class FlightRecorder:
             "phase": self.phase,
             "phase_since": self.phase_since,
             "step": self.step,
+            "step_time_s": self.step_time_s,
             "last_progress": self.last_progress,
             "call": self.call,
             "call_since": self.call_since if self.call else None,

@@ -21,6 +21,15 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
 
+def current_memory_bytes(device: torch.device | str) -> int:
+    """Memory this process holds on ``device`` now: the caching allocator's allocated
+    tensor memory on CUDA, the resident set elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return int(psutil.Process().memory_info().rss)
+
+
 def peak_memory_bytes(device: torch.device | str) -> int:
     """Peak memory of this process on ``device``.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,19 +35,25 @@ class StragglerWatch:
         """Leave out processor time spent on work that is not the step's (a checkpoint)."""
         self._cpu0 += cpu_seconds
 
-    def exchange(self, skip: bool = False) -> tuple[list[float], list[int]]:
+    def exchange(
+        self, skip: bool = False, extra: Sequence[float] = ()
+    ) -> tuple[list[float], list[int], list[list[float]]]:
         """Collective over the world: every rank's own work in the interval just ended,
-        and the ranks that are stragglers now. `skip` (the first interval, start-up
-        included) exchanges but judges nothing."""
+        the ranks that are stragglers now, and every rank's `extra` figures (its step
+        time and memory: one collective carries them all). `skip` (the first interval,
+        start-up included) exchanges but judges nothing."""
         now = time.process_time()
         own = (now - self._cpu0) + self._data_s
         self._cpu0, self._data_s = now, 0.0
-        values = torch.zeros(self.world_size, dtype=torch.float64)
-        values[dist.get_rank() if dist.is_initialized() else 0] = own
+        values = torch.zeros(self.world_size, 1 + len(extra), dtype=torch.float64)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        values[rank, 0] = own
+        if extra:
+            values[rank, 1:] = torch.tensor(list(extra), dtype=torch.float64)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(values)
-        per_rank = values.tolist()
-        return per_rank, ([] if skip else self.judge(per_rank))
+        per_rank = values[:, 0].tolist()
+        return per_rank, ([] if skip else self.judge(per_rank)), values[:, 1:].tolist()
 
     def judge(self, per_rank: list[float]) -> list[int]:
         """The ranks above the median by the margin for `intervals` intervals in a row."""

@@ -274,6 +274,31 @@ def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
         os.close(fd)
 
 
+def is_held(run_dir: Path) -> bool | None:
+    """Whether some process holds RUN_DIR's lock now; None where that cannot be told (no
+    lock file, or a file system that cannot lock). For watchers (`meshforge top`): a
+    shared lock tried for an instant on a read-only descriptor of its own, then let go;
+    it needs no write permission and writes nothing (a job starting in that instant
+    retries, see CONTENTION_GRACE_S). Never call it from the holding process: on NFS,
+    closing this descriptor would drop that process's own lock."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    else:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def mark_held_for_workers(run_dir: Path, environ: MutableMapping[str, str] | None = None) -> None:
     """Tell the workers (through the environment they inherit) that the launcher holds
     RUN_DIR, so that their rank 0 does not try to take it too."""

@@ -86,6 +86,12 @@ def build_report(
         "data_wait_s": data_wait_s,
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "memory_health": {
+            "advice": list(trainer.memory_advice.values()),
+            "cuda": [r.get("cuda_memory") for r in per_rank]
+            if trainer.device.type == "cuda"
+            else None,
+        },
         "pipeline": pipeline_summary(trainer, per_rank),
         # tensor-parallel collectives in one profiled step (rank 0), seconds and share
         "tp_comm": _tp_comm(rows, _median([r["step_time_s"] for r in steady])),
@@ -239,6 +245,12 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
         plot_report(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "report.png")
     except Exception as exc:  # the plot is a convenience; the JSON is the record
         log.warning("could not draw report.png: %s", exc)
+    try:
+        from meshforge.observe.html_report import write_html
+
+        write_html([run_dir])
+    except Exception as exc:  # the page too: `meshforge report RUN_DIR` draws it again
+        log.warning("could not write report.html: %s", exc)
 
 
 def write_failure_report(run_dir: Path, failure: dict[str, Any]) -> None:

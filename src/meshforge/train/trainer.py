@@ -10,10 +10,12 @@ so the loop does not synchronise more than the parallel layout needs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -34,9 +36,12 @@ from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.flight import FlightRecorder
 from meshforge.observe.machine import measure_profile
-from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
+from meshforge.observe.memhealth import cuda_memory_stats, memory_advice
+from meshforge.observe.memory import current_memory_bytes, peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
+from meshforge.observe.sampler import SystemSampler, sampler_path
+from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import StragglerWatch
 from meshforge.observe.trace import StepTracer, parse_steps
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -100,6 +105,8 @@ class Trainer:
             self.reducer_bytes = comm_bytes.ddp_reducer_bytes(self.parts.parameters())
         self.comm_samples: list[dict[str, float]] = []  # per logged interval, steady only
         self.tp_comm_s: float | None = None  # latest profiled TP collective time
+        self.sampler: SystemSampler | None = None  # the node's, on its first rank
+        self.memory_advice: dict[str, str] = {}  # the newest advice of each kind
 
     # -- what the report and checkpoints record ------------------------------------------
     def layout(self) -> dict[str, Any]:
@@ -250,7 +257,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         c, rt = self.cfg, self.rt
         t = c.train
-        sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_main else None
+        sink = None
+        if rt.is_main:
+            sink = Guarded("metrics.jsonl", JsonlSink(self.run_dir / "metrics.jsonl"), self._warn)
         peak = detect_peak_flops(self.device, c.precision.dtype, torch.get_num_threads())
         # the sharded-optimizer timing runs on the dp mesh when it spans the world
         self.machine_profile = None  # the planner does not model a parameter server
@@ -285,8 +294,9 @@ class Trainer:
         started = time.perf_counter()
         progress = TrainingProgress(t.steps, start, rt.is_main, c.name)
         tracer = StepTracer(self.run_dir, rt.rank, parse_steps(c.observe.trace_steps), self.device)
-        with loader, progress:
+        with loader, progress, contextlib.ExitStack() as observers:
             self.progress = progress
+            sinks = self._start_observers(observers)
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
             interval_t0, interval_steps = time.perf_counter(), 0
@@ -334,6 +344,7 @@ class Trainer:
                 if step + 1 == t.steps:
                     state_bytes = self.model_state_bytes()
                 self.optimizers.zero_grad()
+                step_s = time.perf_counter() - t0
                 interval_steps += 1
 
                 if logging_step:
@@ -341,7 +352,9 @@ class Trainer:
                     steady = not first_interval  # the first interval includes start-up
                     comm = self._comm_interval(marks, interval_steps, steady)
                     ps = self.dims.parameter_server  # servers run no model: judge workers
-                    own_s, stragglers = self.stragglers.exchange(skip=first_interval or ps)
+                    own_s, stragglers, ranks = self.stragglers.exchange(
+                        first_interval or ps, self._rank_figures(step_s)
+                    )
                     if ps and not first_interval:
                         stragglers = self.stragglers.judge(own_s[: self.dp])
                     first_interval = False
@@ -360,6 +373,7 @@ class Trainer:
                     marks = _comm_marks()
                     last_loss = loss_value
                     row["own_s_per_rank"] = [round(v, 4) for v in own_s]
+                    self._add_rank_figures(row, ranks)
                     if stragglers:
                         row["stragglers"] = stragglers
                         self._warn(
@@ -375,14 +389,15 @@ class Trainer:
                         row["val_loss"] = self._validate()
                     rows.append(row)
                     if sink is not None:
-                        sink.write(row)
+                        sink.call("write", row)
+                    sinks.write(row)
                     progress.update(step + 1, row)
                     if not rt.is_main or progress.live:  # else the printed line is logged
                         log.info("step %d/%d | %s", step + 1, t.steps, status_text(row, None))
 
                 done = step + 1
                 tracer.end(done)
-                fl.progress(done)
+                fl.progress(done, step_s)
                 every = c.checkpoint.every
                 stop = self.stop.end_step()  # the same answer on every rank
                 if (every and done % every == 0) or done == t.steps or stop:
@@ -418,6 +433,7 @@ class Trainer:
             "pipeline": _bubble_of(pipeline_times),
             "parameter_server": self.strategy.server_counters(),
             "comm": _comm_summary(self.comm_samples, self.rt.env.local_rank == 0),
+            "cuda_memory": cuda_memory_stats(self.device),
         }
         gathered: list[Any] = [None] * rt.world_size
         dist.all_gather_object(gathered, per_rank)
@@ -463,6 +479,7 @@ class Trainer:
             compute_s = max(0.0, fwd_bwd_s - (comm_s or 0.0))
         row = {
             "step": step,
+            "time": time.time(),
             "loss": loss,
             "lr": self.optimizers.lr_at(step - 1),
             "grad_norm": None if result.grad_norm is None else float(result.grad_norm),
@@ -482,6 +499,78 @@ class Trainer:
         if self.optimizers.scaler is not None:
             row["loss_scale"] = float(self.optimizers.scaler.get_scale())
         return row
+
+    # -- observing ----------------------------------------------------------------------------
+    def _start_observers(self, stack: contextlib.ExitStack) -> Sinks:
+        """The node's system sampler (its first rank) and this process's sinks, closed
+        by `stack` however the run ends."""
+        o, rt = self.cfg.observe, self.rt
+        here = host_of_rank()
+        sinks = open_sinks(self.cfg, self.run_dir, rt.rank, rt.env.local_rank, here,
+                           None, self._warn)  # fmt: skip
+        stack.callback(sinks.close)
+        where = []
+        if sinks.exporter is not None:
+            where.append(f"Prometheus metrics at {sinks.exporter.url}")
+        if any(g.name == "TensorBoard" for g in sinks.guarded):
+            where.append(f"TensorBoard: tensorboard --logdir {self.run_dir / 'tensorboard'}")
+        for text in where:
+            log.info(text)
+            if rt.is_main and self.progress is not None:
+                self.progress.log(text)
+        if o.system and rt.env.local_rank == 0:
+            path = sampler_path(self.run_dir, here.get("node"), here["host"])
+            self.sampler = SystemSampler(
+                path, o.sample_every_s, host=here, warn=self._warn, on_sample=sinks.write_system
+            ).start()
+            stack.callback(self.sampler.close)
+            if sinks.exporter is not None:
+                sinks.exporter.sampler = self.sampler
+        return sinks
+
+    _RANK_FIGURES = ("step_s", "memory", "peak", "reserved", "retries", "ooms")
+
+    def _rank_figures(self, step_s: float) -> list[float]:
+        """This rank's step time and memory, exchanged at each logged step."""
+        cuda = cuda_memory_stats(self.device) or {}
+        return [
+            step_s,
+            float(current_memory_bytes(self.device)),
+            float(peak_memory_bytes(self.device)),
+            float(cuda.get("reserved_bytes") or 0),
+            float(cuda.get("alloc_retries") or 0),
+            float(cuda.get("ooms") or 0),
+        ]
+
+    def _add_rank_figures(self, row: dict[str, Any], ranks: list[list[float]]) -> None:
+        """Every rank's step time and memory in the row, with memory advice when a
+        threshold is crossed (warned once per distinct advice)."""
+        cols = {name: [r[i] for r in ranks] for i, name in enumerate(self._RANK_FIGURES)}
+        row["step_time_s_per_rank"] = [round(v, 5) for v in cols["step_s"]]
+        row["memory_bytes_per_rank"] = [int(v) for v in cols["memory"]]
+        row["peak_memory_bytes_per_rank"] = [int(v) for v in cols["peak"]]
+        cuda = self.device.type == "cuda"
+        if cuda:
+            row["reserved_bytes_per_rank"] = [int(v) for v in cols["reserved"]]
+        per_rank = [
+            {
+                "rank": rank,
+                "allocated_bytes": int(cols["memory"][rank]) if cuda else None,
+                "reserved_bytes": int(cols["reserved"][rank]) if cuda else None,
+                "alloc_retries": int(cols["retries"][rank]),
+                "ooms": int(cols["ooms"][rank]),
+            }
+            for rank in range(len(ranks))
+        ]
+        host = self.sampler.latest if self.sampler is not None else None
+        advice = memory_advice(per_rank, host, self.cfg.observe.fragmentation_threshold)
+        if advice:
+            row["memory_advice"] = advice
+        for text in advice:  # the same advice with new figures replaces the old
+            kind = re.sub(r"[\d.,%]+", "#", text)
+            if kind not in self.memory_advice:
+                self._warn(f"memory: {text}")
+            self.memory_advice[kind] = text
 
     # -- communication ----------------------------------------------------------------------
     def _no_peers(self) -> bool:

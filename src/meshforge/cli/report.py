@@ -1,0 +1,38 @@
+"""`meshforge report RUN_DIR [RUN_DIR_B]`: the run's self-contained HTML page, or two runs
+overlaid; prints where it wrote it. The page is observe/html_report.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from meshforge.cli.app import app
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
+    run_dir_b: Annotated[
+        Path | None, typer.Argument(help="A second run directory, to compare with the first.")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Where to write the page (RUN_DIR/report.html; two runs: "
+            "RUN_DIR/compare-<RUN_DIR_B's name>.html).",
+        ),
+    ] = None,
+    cluster: Annotated[
+        Path | None, typer.Option("--cluster", help="Cluster file (YAML): adds the run's cost.")
+    ] = None,
+) -> None:
+    """Write the run's report.html: headline figures, layout, loss, throughput and MFU,
+    memory per rank, time breakdown, network, step time per rank, and its config. With two
+    run directories, one page with both runs overlaid and the ratio B/A."""
+    from meshforge.observe.html_report import write_html
+
+    runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
+    print(write_html(runs, out, cluster))

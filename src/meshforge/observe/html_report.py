@@ -1,0 +1,802 @@
+"""``report.html``: one self-contained page about a run, or two runs overlaid.
+
+The page fetches nothing: the plots are inline SVG drawn here, the style sheet is
+inline, there is no script (hover read-outs are SVG ``<title>``s), and a
+Content-Security-Policy forbids every load, so it reads the same from a laptop, a CI
+artefact or a cluster's shared disk. Every text taken from a run is escaped.
+
+What it reads, each part optional (a plot without data says why in its place):
+RUN_DIR/report.json (absent while the run runs), metrics.jsonl (a resumed run's later
+rows for a step replace earlier ones), config.yaml, and system/*.jsonl (one file per
+node). Plots, by figure id: plot-loss, plot-throughput, plot-memory, plot-breakdown,
+plot-network, plot-step-time, drawn by observe/svg.py.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from meshforge.errors import ConfigError, DataError, MeshforgeError
+from meshforge.fileio import write_text_atomic
+from meshforge.observe.console import format_bytes, format_duration, format_percent
+from meshforge.observe.metrics import read_jsonl
+from meshforge.observe.plots import _merge_by_step, _number
+from meshforge.observe.svg import Line, bar_chart, line_chart, stack_chart, tick
+
+if TYPE_CHECKING:
+    from meshforge.cost.tco import Tco
+
+RUN_COLORS = ("#1f77b4", "#e8730c")  # run A, run B
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+STRAGGLER = "#d62728"
+BREAKDOWN = (
+    ("data_s", "data", "#8c8c8c"),
+    ("compute_s", "compute", "#4c72b0"),
+    ("comm_s", "comm", "#dd8452"),
+    ("bubble_s", "bubble", "#8172b3"),
+    ("other_s", "other", "#c9c9c9"),
+)
+_esc = html.escape
+
+
+# ---------------------------------------------------------------- the run's records
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    status: str
+    report: dict[str, Any]  # {} when there is no report.json yet
+    rows: list[dict[str, Any]]  # metrics.jsonl, one row per step
+    config: dict[str, Any]
+    config_text: str | None
+    system: dict[str, list[dict[str, Any]]]  # host label -> samples
+    notes: list[str]  # what could not be read
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """The records of RUN_DIR; DataError when it is not a run directory."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise DataError(f"run directory {path} {what}")
+    metrics, report_path = path / "metrics.jsonl", path / "report.json"
+    if not metrics.is_file() and not report_path.is_file():
+        raise DataError(f"{path}: no metrics.jsonl nor report.json (not a meshforge run directory)")
+    report = _read_report(report_path) if report_path.is_file() else {}
+    rows = _merge_by_step(_read_rows(metrics)) if metrics.is_file() else []
+    config_path = path / "config.yaml"
+    config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
+    try:
+        config = yaml.safe_load(config_text or "") or {}
+    except yaml.YAMLError:
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    system, notes = _read_system(path / "system")
+    name = report.get("name") or config.get("name") or path.resolve().name
+    status = str(report.get("status") or "unknown") if report else _status_without_report(path)
+    return Run(path, str(name), status, report, rows, config, config_text, system, notes)
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(report, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return report
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        return read_jsonl(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DataError(f"{path}: {exc}") from None
+
+
+def _read_system(folder: Path) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    hosts: dict[str, list[dict[str, Any]]] = {}
+    notes: list[str] = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        try:
+            samples = read_jsonl(path)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            notes.append(f"system/{path.name} skipped: {exc}")
+            continue
+        if samples:
+            label = str(samples[0].get("host") or path.stem)
+            hosts[label if label not in hosts else f"{label} ({path.stem})"] = samples
+    return hosts, notes
+
+
+def _status_without_report(path: Path) -> str:
+    from meshforge.runtime.runlock import is_held
+
+    held = is_held(path)  # never called by the holder: it writes report.json first
+    if held is None:
+        return "no report.json"
+    return "running" if held else "ended without report.json"
+
+
+# ---------------------------------------------------------------- series from rows
+
+
+def _series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list, list]:
+    xs, ys = [], []
+    for row in rows:
+        value = _number(row.get(key))
+        if value is not None:
+            xs.append(row["step"])
+            ys.append(value * scale)
+    return xs, ys
+
+
+def _per_rank(rows: list[dict[str, Any]], key: str) -> dict[int, tuple[list, list]]:
+    out: dict[int, tuple[list, list]] = {}
+    for row in rows:
+        values = row.get(key)
+        if not isinstance(values, list):
+            continue
+        for rank, value in enumerate(values):
+            if (number := _number(value)) is not None:
+                xs, ys = out.setdefault(rank, ([], []))
+                xs.append(row["step"])
+                ys.append(number)
+    return out
+
+
+def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [v for v in (_number(r.get(key)) for r in rows) if v is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _scalar(value: Any) -> float | None:
+    return None if isinstance(value, list | dict) else _number(value)
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _stragglers(run: Run) -> dict[int, str]:
+    """Rank -> what named it a straggler (report.json's slowdown, or logged steps)."""
+    named: dict[int, str] = {}
+    for row in run.rows:
+        for rank in _list(row.get("stragglers")):
+            if isinstance(rank, int):
+                named[rank] = "straggler"
+    for entry in _list(run.report.get("stragglers")):
+        if isinstance(entry, dict) and isinstance(entry.get("rank"), int):
+            slowdown = _number(entry.get("slowdown"))
+            named[entry["rank"]] = f"straggler {slowdown:.2f}x" if slowdown else "straggler"
+    return named
+
+
+def _unit(max_value: float, units: Sequence[tuple[float, str]]) -> tuple[float, str]:
+    """The largest unit that keeps `max_value` >= 1 of it: (scale to multiply by, name)."""
+    for size, name in units:
+        if max_value >= size:
+            return 1.0 / size, name
+    return 1.0 / units[-1][0], units[-1][1]
+
+
+BYTES = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+SECONDS = ((1.0, "s"), (1e-3, "ms"))
+
+
+# ---------------------------------------------------------------- the six plots
+
+PLOTS = {  # id: (title, what it shows, why it may have nothing to show)
+    "plot-loss": (
+        "Loss",
+        "Training loss of each logged step, and validation loss where the run evaluated.",
+        "no loss in metrics.jsonl (no step was logged)",
+    ),
+    "plot-throughput": (
+        "Throughput and MFU",
+        "Tokens per second over the whole job, and model FLOPs utilisation (achieved over "
+        "peak FLOPs), by step.",
+        "no tokens_per_s nor mfu in metrics.jsonl",
+    ),
+    "plot-memory": (
+        "Memory per rank",
+        "Memory of each rank by step (solid: now, dashed: peak).",
+        "no memory in metrics.jsonl nor report.json",
+    ),
+    "plot-breakdown": (
+        "Time breakdown",
+        "Where each step's time went on rank 0: waiting for data, compute, exposed "
+        "communication, pipeline bubble, other (optimizer, logging, time no phase claims).",
+        "no step timings (data_s, compute_s, comm_s) in metrics.jsonl",
+    ),
+    "plot-network": (
+        "Network",
+        "Bytes per second each host received (solid) and sent (dashed), summed over its "
+        "interfaces but loopback, which is shown apart where it carried traffic "
+        "(system/*.jsonl).",
+        "no system/*.jsonl samples and no net_tx_bytes in metrics.jsonl",
+    ),
+    "plot-step-time": (
+        "Step time per rank",
+        "Each rank's wall time of the step; stragglers named by the run are thick and red. "
+        "The first logged step (start-up) is left out.",
+        "no per-rank step times (step_time_s_per_rank, own_s_per_rank) in metrics.jsonl",
+    ),
+}
+
+
+PLOT_IDS = tuple(PLOTS)
+
+
+@dataclass(frozen=True)
+class Plot:
+    id: str
+    svgs: list[str]  # empty: the figure says why
+    caption: str | None = None  # None: PLOTS' caption
+    notes: tuple[str, ...] = ()
+
+
+def _plot(plot_id: str, *svgs: str | None, caption: str | None = None, notes=()) -> Plot:
+    return Plot(plot_id, [s for s in svgs if s], caption, tuple(notes))
+
+
+def _tag(i: int, runs: list[Run]) -> str:
+    return "" if len(runs) == 1 else "AB"[i] + " "
+
+
+def _color(i: int, runs: list[Run], k: int = 0, n: int = 1) -> str:
+    """Series k of n of run i: the palette for one run, shades of A's/B's colour for two."""
+    if len(runs) == 1:
+        return PALETTE[k % len(PALETTE)]
+    base = RUN_COLORS[i]
+    mix = 0.6 * k / (n - 1) if n > 1 else 0.0  # towards white
+    channels = (int(base[j : j + 2], 16) for j in (1, 3, 5))
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in channels)
+
+
+def _rank_lines(
+    per_rank: dict[int, tuple[list, list]],
+    i: int,
+    runs: list[Run],
+    *,
+    scale: float = 1.0,
+    dashed: bool = False,
+    legend: bool = True,
+) -> list[Line]:
+    """One line per rank; stragglers thick and red; beyond 8 ranks one legend entry."""
+    lines, tag, stragglers = [], _tag(i, runs), _stragglers(runs[i])
+    for k, rank in enumerate(sorted(per_rank)):
+        xs, ys = per_rank[rank][0], [y * scale for y in per_rank[rank][1]]
+        if rank in stragglers:
+            label = f"{tag}rank {rank} ({stragglers[rank]})"
+            lines.append(Line(label if legend else None, xs, ys, STRAGGLER, dashed, 2.8))
+        elif len(per_rank) > 8:
+            label = f"{tag}ranks 0-{max(per_rank)}" if legend and k == 0 else None
+            color = RUN_COLORS[i] if len(runs) > 1 else "#7f7f7f"
+            lines.append(Line(label, xs, ys, color, dashed, 1.0))
+        else:
+            label = f"{tag}rank {rank}" if legend else None
+            lines.append(Line(label, xs, ys, _color(i, runs, k, len(per_rank)), dashed))
+    return lines
+
+
+def _plot_loss(runs: list[Run]) -> Plot:
+    lines = []
+    for i, run in enumerate(runs):
+        tag, color = _tag(i, runs), _color(i, runs)
+        val_color = PALETTE[1] if len(runs) == 1 else color
+        lines.append(Line(f"{tag}train loss", *_series(run.rows, "loss"), color))
+        val = _series(run.rows, "val_loss")
+        lines.append(Line(f"{tag}val loss", *val, val_color, dashed=True, markers=True))
+    return _plot("plot-loss", line_chart(lines, "step", "loss (cross-entropy)"))
+
+
+def _plot_throughput(runs: list[Run]) -> Plot:
+    tokens, mfu = [], []
+    for i, run in enumerate(runs):
+        tag, color = _tag(i, runs), _color(i, runs)
+        tokens.append(Line(f"{tag}tokens/s", *_series(run.rows, "tokens_per_s"), color))
+        mfu.append(Line(f"{tag}MFU", *_series(run.rows, "mfu", 100.0), color))
+    tokens_svg = line_chart(tokens, "step", "tokens/s", title="throughput", zero=True)
+    mfu_svg = line_chart(mfu, "step", "MFU (%)", title="model FLOPs utilisation", zero=True)
+    notes = [
+        f"no {what} logged"
+        for what, svg in (("MFU", mfu_svg), ("tokens/s", tokens_svg))
+        if svg is None and (tokens_svg or mfu_svg)
+    ]
+    return _plot("plot-throughput", tokens_svg, mfu_svg, notes=notes)
+
+
+def _plot_memory(runs: list[Run]) -> Plot:
+    now = [_per_rank(run.rows, "memory_bytes_per_rank") for run in runs]
+    peak = [_per_rank(run.rows, "peak_memory_bytes_per_rank") for run in runs]
+    rank0 = [_series(run.rows, "peak_memory_bytes") for run in runs]  # older runs: rank 0's
+    if any(now) or any(peak):
+        top = max(
+            [y for series in now + peak for _, ys in series.values() for y in ys]
+            + [y for i, (_, ys) in enumerate(rank0) if not now[i] and not peak[i] for y in ys],
+            default=0,
+        )
+        scale, unit = _unit(top, BYTES)
+        lines, notes = [], []
+        for i, run in enumerate(runs):
+            lines += _rank_lines(now[i], i, runs, scale=scale)
+            lines += _rank_lines(peak[i], i, runs, scale=scale, dashed=True, legend=not now[i])
+            if not now[i] and not peak[i]:
+                xs, ys = rank0[i]
+                label = f"{_tag(i, runs)}rank 0 peak"
+                lines.append(Line(label, xs, [y * scale for y in ys], _color(i, runs), True))
+                notes.append(f"{_tag(i, runs)}{run.name}: no memory per rank logged")
+        extra = [("peak", "#555555", True)] if any(now) and any(peak) else []
+        svg = line_chart(lines, "step", f"memory ({unit})", zero=True, legend_extra=extra)
+        return _plot("plot-memory", svg, notes=notes)
+    peaks = [run.report.get("peak_memory_bytes") for run in runs]
+    peaks = [p if isinstance(p, list) else [] for p in peaks]
+    if any(peaks):  # older runs: report.json's peak of each rank
+        scale, unit = _unit(max(_number(p) or 0 for p in peaks), BYTES)
+        ranks = max(len(p) for p in peaks)
+        groups = [
+            (f"{_tag(i, runs)}peak", _color(i, runs), [(_number(v) or 0) * scale for v in p])
+            for i, p in enumerate(peaks)
+        ]
+        svg = bar_chart([str(r) for r in range(ranks)], groups, "rank", f"peak memory ({unit})")
+        caption = "Peak memory of each rank over the run (report.json; no memory by step)."
+        return _plot("plot-memory", svg, caption=caption)
+    scale, unit = _unit(max((y for _, ys in rank0 for y in ys), default=0), BYTES)
+    lines = [
+        Line(f"{_tag(i, runs)}rank 0 peak", xs, [y * scale for y in ys], _color(i, runs))
+        for i, (xs, ys) in enumerate(rank0)
+    ]
+    svg = line_chart(lines, "step", f"peak memory ({unit})", zero=True)
+    return _plot("plot-memory", svg, caption="Peak memory of rank 0 by step (no per-rank memory).")
+
+
+def _breakdown(rows: list[dict[str, Any]]) -> tuple[list, list[list[float]]]:
+    """Steps and, per phase, seconds; time no phase claims goes to "other"."""
+    xs, columns = [], [[] for _ in BREAKDOWN]
+    for row in rows:
+        parts = [_number(row.get(key)) or 0.0 for key, _, _ in BREAKDOWN]
+        total = _number(row.get("step_time_s"))
+        if not any(parts):
+            continue
+        if total is not None and _number(row.get("other_s")) is None:
+            parts[-1] = max(0.0, total - sum(parts))
+        xs.append(row["step"])
+        for column, part in zip(columns, parts, strict=True):
+            column.append(part)
+    return xs, columns
+
+
+def _plot_breakdown(runs: list[Run]) -> Plot:
+    found = [_breakdown(run.rows) for run in runs]
+    top = max((sum(c) for _, cols in found for c in zip(*cols, strict=True)), default=0.0)
+    scale, unit = _unit(top, SECONDS)
+    svgs = []
+    for i, (run, (xs, columns)) in enumerate(zip(runs, found, strict=True)):
+        layers = [
+            (label, color, [v * scale for v in column])
+            for (_, label, color), column in zip(BREAKDOWN, columns, strict=True)
+        ]
+        title = f"{_tag(i, runs)}{run.name}" if len(runs) > 1 else None
+        y_label = f"time per step ({unit})"
+        svgs.append(stack_chart(xs, layers, "step", y_label, title=title, y_max=top * scale))
+    return _plot("plot-breakdown", *svgs)
+
+
+def _is_loopback(interface: str) -> bool:
+    return interface == "lo" or interface.startswith("lo:")
+
+
+def _host_rates(samples: list[dict[str, Any]], loopback: bool) -> tuple[list, list, list]:
+    """Sample times, and rx and tx bytes/s summed over the host's non-loopback interfaces
+    (or over its loopback: how ranks on one machine talk to each other)."""
+    times, rx, tx = [], [], []
+    for sample in samples:
+        t, net = _number(sample.get("time")), sample.get("net")
+        if t is None or not isinstance(net, dict):
+            continue
+        ifaces = [v for n, v in net.items() if isinstance(v, dict) and _is_loopback(n) == loopback]
+        times.append(t)
+        rx.append(sum(_number(v.get("rx_bytes_per_s")) or 0.0 for v in ifaces))
+        tx.append(sum(_number(v.get("tx_bytes_per_s")) or 0.0 for v in ifaces))
+    return times, rx, tx
+
+
+def _system_network(run: Run) -> list[tuple[str, list, list, list]]:
+    """(host label, seconds since the run's first sample, rx, tx) per host and link kind."""
+    found = []
+    for host, samples in run.system.items():
+        for loopback in (False, True):
+            times, rx, tx = _host_rates(samples, loopback)
+            if times and (not loopback or any(rx + tx)):
+                found.append((host + (" loopback" if loopback else ""), times, rx, tx))
+    start = min((times[0] for _, times, _, _ in found), default=0.0)
+    return [(host, [t - start for t in times], rx, tx) for host, times, rx, tx in found]
+
+
+def _plot_network(runs: list[Run]) -> Plot:
+    notes = [note for run in runs for note in run.notes]
+    if any(run.system for run in runs):
+        per_run = [_system_network(run) for run in runs]
+        top = max((v for found in per_run for *_, rx, tx in found for v in rx + tx), default=0)
+        scale, unit = _unit(top, BYTES)
+        lines = []
+        for i, found in enumerate(per_run):
+            for k, (host, times, rx, tx) in enumerate(found):
+                color = _color(i, runs, k, len(found))
+                lines.append(Line(f"{_tag(i, runs)}{host}", times, [v * scale for v in rx], color))
+                lines.append(Line(None, times, [v * scale for v in tx], color, dashed=True))
+        legend = [("rx", "#555555", False), ("tx", "#555555", True)]
+        x_label = "seconds since the first sample"
+        svg = line_chart(lines, x_label, f"{unit}/s", zero=True, legend_extra=legend)
+        notes += [
+            f"{_tag(i, runs)}{r.name}: no system/*.jsonl"
+            for i, r in enumerate(runs)
+            if not r.system
+        ]
+        return _plot("plot-network", svg, notes=notes)
+    rates = []  # an older run: what rank 0's host sent per step
+    for run in runs:
+        pairs = [
+            (r["step"], _number(r.get("net_tx_bytes")), _number(r.get("step_time_s")))
+            for r in run.rows
+        ]
+        rates.append([(step, sent / s) for step, sent, s in pairs if sent is not None and s])
+    scale, unit = _unit(max((v for pairs in rates for _, v in pairs), default=0), BYTES)
+    lines = [
+        Line(
+            f"{_tag(i, runs)}tx (rank 0's host)",
+            [x for x, _ in pairs],
+            [v * scale for _, v in pairs],
+            _color(i, runs),
+        )
+        for i, pairs in enumerate(rates)
+    ]
+    caption = (
+        "Bytes per second rank 0's host sent during each step (net_tx_bytes / "
+        "step_time_s; this run has no system/*.jsonl samples)."
+    )
+    svg = line_chart(lines, "step", f"sent {unit}/s", zero=True)
+    return _plot("plot-network", svg, caption=caption, notes=notes)
+
+
+def _plot_step_time(runs: list[Run]) -> Plot:
+    found, notes = [], []
+    for i, run in enumerate(runs):
+        steady = run.rows[1:] if len(run.rows) > 1 else run.rows
+        per_rank = _per_rank(steady, "step_time_s_per_rank")
+        if not per_rank and (per_rank := _per_rank(steady, "own_s_per_rank")):
+            notes.append(
+                f"{_tag(i, runs)}{run.name}: no step_time_s_per_rank logged; drawn: "
+                "own_s_per_rank, each rank's own work in the step without waiting for others"
+            )
+        found.append(per_rank)
+    top = max((y for per_rank in found for _, ys in per_rank.values() for y in ys), default=0)
+    scale, unit = _unit(top, SECONDS)
+    lines = [
+        line
+        for i, per_rank in enumerate(found)
+        for line in _rank_lines(per_rank, i, runs, scale=scale)
+    ]
+    svg = line_chart(lines, "step", f"step time ({unit})", zero=True)
+    return _plot("plot-step-time", svg, notes=notes)
+
+
+def _figure(plot: Plot) -> str:
+    title, caption, why = PLOTS[plot.id]
+    body = "".join(plot.svgs) or f'<p class="nodata">no data recorded: {_esc(why)}</p>'
+    notes = "".join(f'<br><span class="note">{_esc(n)}</span>' for n in plot.notes)
+    return (
+        f'<figure id="{plot.id}"><h3>{_esc(title)}</h3>{body}'
+        f"<figcaption>{_esc(plot.caption or caption)}{notes}</figcaption></figure>"
+    )
+
+
+# ---------------------------------------------------------------- figures and tables
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} µs"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _usd(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"${value:.4f}" if abs(value) < 0.01 else f"${value:,.2f}"
+
+
+def _last(values: list[float]) -> float | None:
+    return values[-1] if values else None
+
+
+def headline(run: Run, costs: Tco | None = None) -> list[tuple[str, float | None, str]]:
+    """(figure, number for ratios, text): report.json's, or from the rows while it runs."""
+    r = run.report
+    steady = run.rows[1:] if len(run.rows) > 1 else run.rows  # the first includes start-up
+    comm = r.get("communication") if isinstance(r.get("communication"), dict) else {}
+    tokens = _first(_scalar(r.get("tokens_per_s")), _median(_values(steady, "tokens_per_s")))
+    mfu = _first(_scalar(r.get("mfu")), _median(_values(steady, "mfu")))
+    step_s = _first(_scalar(r.get("step_time_s")), _median(_values(steady, "step_time_s")))
+    exposed = _first(_scalar(comm.get("exposed_s")), _median(_values(steady, "comm_s")))
+    share = _first(
+        _scalar(comm.get("exposed_fraction")),
+        exposed / step_s if exposed is not None and step_s else None,
+    )
+    peak = _first(
+        _number(r.get("peak_memory_bytes")),
+        max(_values(run.rows, "peak_memory_bytes_per_rank"), default=None),
+        max(_values(run.rows, "peak_memory_bytes"), default=None),
+    )
+    final = _first(_scalar(r.get("final_loss")), _last(_values(run.rows, "loss")))
+    val = _first(_scalar(r.get("val_loss")), _last(_values(run.rows, "val_loss")))
+    wall = _scalar(r.get("wall_time_s"))
+    of_step = f" ({format_percent(share)} of the step)" if share is not None else ""
+    items = [
+        ("tokens/s", tokens, "n/a" if tokens is None else f"{tokens:,.0f}"),
+        ("MFU", mfu, format_percent(mfu)),
+        ("step time (median)", step_s, _seconds(step_s)),
+        ("exposed communication per step", exposed, _seconds(exposed) + of_step),
+        ("peak memory (largest rank)", peak, format_bytes(peak)),
+        ("final train loss", final, "n/a" if final is None else f"{final:.4f}"),
+        ("validation loss", val, "n/a" if val is None else f"{val:.4f}"),
+        ("wall time", wall, _seconds(wall) if (wall or 0) < 60 else format_duration(wall)),
+    ]
+    return items + (_cost_items(run, costs) if costs is not None else [])
+
+
+def _cost_items(run: Run, costs: Tco) -> list[tuple[str, float | None, str]]:
+    from meshforge.cost.run import run_cost_from_report
+
+    try:
+        cost = run_cost_from_report(run.path, costs)
+    except MeshforgeError as exc:
+        return [("cost", None, f"n/a: {exc}")]
+    return [
+        ("GPU-hours", cost.gpu_hours, f"{cost.gpu_hours:.4g}"),
+        (
+            "cost owned / rented",
+            cost.rented_usd,
+            f"{_usd(cost.owned_usd)} / {_usd(cost.rented_usd)}",
+        ),
+        (
+            "lost to synchronisation (owned / rented)",
+            cost.sync_loss_rented_usd,
+            f"{_usd(cost.sync_loss_owned_usd)} / {_usd(cost.sync_loss_rented_usd)}",
+        ),
+    ]
+
+
+def _table(header: list[str] | None, rows: list[list[str]], numeric_from: int = 1) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header or [])
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td{' class=num' if j >= numeric_from else ''}>{_esc(cell)}</td>"
+            for j, cell in enumerate(row)
+        )
+        + "</tr>"
+        for row in rows
+    )
+    head = f"<thead><tr>{head}</tr></thead>" if header else ""
+    return f"<table>{head}<tbody>{body}</tbody></table>"
+
+
+def _run_label(i: int, runs: list[Run]) -> str:
+    return runs[i].name if len(runs) == 1 else f"{'AB'[i]}: {runs[i].name} ({runs[i].path.name})"
+
+
+def _headline_table(runs: list[Run], costs: Tco | None) -> str:
+    columns = [{label: (v, text) for label, v, text in headline(run, costs)} for run in runs]
+    labels = list(dict.fromkeys(label for column in columns for label in column))
+    if len(runs) == 1:
+        return _table(["figure", "value"], [[k, columns[0][k][1]] for k in labels])
+    rows = []
+    for label in labels:
+        (a, a_text), (b, b_text) = (c.get(label, (None, "n/a")) for c in columns)
+        ratio = f"{b / a:.2f}x" if a and b is not None else "n/a"
+        rows.append([label, a_text, b_text, ratio])
+    return _table(["figure", _run_label(0, runs), _run_label(1, runs), "B/A"], rows)
+
+
+def _layout(run: Run) -> dict[str, Any]:
+    layout = run.report.get("layout")
+    if isinstance(layout, dict):
+        return layout
+    parallel = run.config.get("parallel")  # no report yet: what the config asked for
+    return parallel if isinstance(parallel, dict) else {}
+
+
+def _about(run: Run) -> list[tuple[str, str]]:
+    r, train = run.report, run.config.get("train") or {}
+    steps_done = run.rows[-1]["step"] if run.rows else None
+    steps = r.get("steps") or (train.get("steps") if isinstance(train, dict) else None)
+    hosts = [h.get("host") for h in _list(r.get("hosts")) if isinstance(h, dict)]
+    rows = [
+        ("status", run.status),
+        ("run directory", str(run.path)),
+        (
+            "steps logged / planned",
+            f"{tick(steps_done) if steps_done is not None else 0}"
+            f" / {steps if steps is not None else 'n/a'}",
+        ),
+        ("world size", str(r.get("world_size", "n/a"))),
+        ("device / backend", f"{r.get('device', 'n/a')} / {r.get('backend', 'n/a')}"),
+        ("hosts", ", ".join(dict.fromkeys(str(h) for h in hosts)) or "n/a"),
+        (
+            "resumed from step",
+            str(r.get("resumed_from") if r.get("resumed_from") is not None else "no"),
+        ),
+    ]
+    failure = r.get("failure")
+    if isinstance(failure, dict):
+        first = (
+            failure.get("first_failure") if isinstance(failure.get("first_failure"), dict) else {}
+        )
+        rows.append(("failure", str(failure.get("summary") or first.get("error") or failure)))
+    return rows
+
+
+def _advice(run: Run) -> list[str]:
+    health = run.report.get("memory_health")
+    advice = list(_list(health.get("advice"))) if isinstance(health, dict) else []
+    for row in run.rows:
+        advice += [a for a in _list(row.get("memory_advice")) if isinstance(a, str)]
+    return list(dict.fromkeys(str(a) for a in advice))
+
+
+def _straggler_lines(run: Run) -> list[str]:
+    lines = []
+    for entry in _list(run.report.get("stragglers")):
+        if isinstance(entry, dict):
+            slowdown = _number(entry.get("slowdown"))
+            how = f"{slowdown:.2f}x the median step" if slowdown else "slow"
+            lines.append(f"rank {entry.get('rank')} on {entry.get('host') or 'n/a'}: {how}")
+    flagged: dict[int, int] = {}
+    for row in run.rows:
+        for rank in _list(row.get("stragglers")):
+            if isinstance(rank, int):
+                flagged[rank] = flagged.get(rank, 0) + 1
+    lines += [f"rank {rank} flagged on {n} logged step(s)" for rank, n in sorted(flagged.items())]
+    return lines
+
+
+def _run_section(i: int, runs: list[Run]) -> str:
+    run, parts = runs[i], []
+    parts.append(_table(None, [list(row) for row in _about(run)], numeric_from=9))
+    for title, items in (("Memory advice", _advice(run)), ("Stragglers", _straggler_lines(run))):
+        if items:
+            parts.append(
+                f"<h3>{title}</h3><ul>" + "".join(f"<li>{_esc(a)}</li>" for a in items) + "</ul>"
+            )
+    config = (
+        f"<details><summary>config.yaml</summary><pre>{_esc(run.config_text)}</pre></details>"
+        if run.config_text is not None
+        else '<p class="nodata">no config.yaml in the run directory</p>'
+    )
+    status = "".join(c if c.isalnum() else "-" for c in run.status)
+    return (
+        f'<section class="run"><h2>{_esc(_run_label(i, runs))} '
+        f'<span class="status status-{_esc(status)}">{_esc(run.status)}</span></h2>'
+        f"{''.join(parts)}{config}</section>"
+    )
+
+
+# ---------------------------------------------------------------- the page
+
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;max-width:1100px;padding:16px 24px;
+color:#222;background:#fff}
+h1{font-size:22px;margin:0 0 6px}h2{font-size:18px;margin:18px 0 6px}h3{font-size:15px;
+margin:10px 0 4px}
+table{border-collapse:collapse;margin:6px 0}th,td{border-bottom:1px solid #e3e3e3;
+padding:3px 10px;text-align:left;vertical-align:top}td.num{text-align:right;
+font-variant-numeric:tabular-nums}
+.status{font-size:12px;padding:1px 8px;border-radius:9px;color:#fff;background:#777;
+vertical-align:middle}.status-completed{background:#2e7d32}.status-failed{background:#c62828}
+.status-running{background:#1565c0}.status-stopped{background:#ef6c00}
+figure{margin:16px 0;border:1px solid #e3e3e3;border-radius:6px;padding:6px 12px 10px}
+figcaption{color:#555;font-size:13px}.nodata{color:#777;font-style:italic}
+.note{color:#8a5a00}nav a{margin-right:10px}
+svg{display:block;max-width:100%;height:auto}svg text{font:11px system-ui,sans-serif;
+fill:#333}svg text.title{font-weight:bold;font-size:12px}svg .grid{stroke:#ececec;fill:none}
+svg .axis{stroke:#888;fill:none}svg path.data[stroke]{fill:none}
+pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
+"""
+# Nothing may load: not a script, a font, an image, a style sheet or a connection.
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+
+
+def build_html(run_dirs: Sequence[str | Path], cluster: str | Path | None = None) -> str:
+    """The report page of one run, or of two runs overlaid (A, B)."""
+    if not 1 <= len(run_dirs) <= 2:
+        raise ConfigError(f"give one run directory, or two to compare (got {len(run_dirs)})")
+    runs = [load_run(d) for d in run_dirs]
+    costs = None
+    if cluster is not None:
+        from meshforge.cost.cluster import load_cluster
+        from meshforge.cost.tco import tco
+
+        costs = tco(load_cluster(cluster))
+    plots = [
+        _plot_loss(runs),
+        _plot_throughput(runs),
+        _plot_memory(runs),
+        _plot_breakdown(runs),
+        _plot_network(runs),
+        _plot_step_time(runs),
+    ]
+    if len(runs) == 1:
+        title = f"meshforge report: {runs[0].name}"
+    else:
+        title = f"meshforge comparison: {_run_label(0, runs)} vs {_run_label(1, runs)}"
+    nav = " ".join(f'<a href="#{p.id}">{_esc(PLOTS[p.id][0])}</a>' for p in plots)
+    layouts = [_layout(run) for run in runs]
+    keys = list(dict.fromkeys(k for layout in layouts for k in layout))
+    layout = _table(
+        ["setting", *(_run_label(i, runs) for i in range(len(runs)))],
+        [[k, *(str(lay.get(k, "n/a")) for lay in layouts)] for k in keys],
+    )
+    cost_note = f" Cost from cluster file {cluster}." if cluster is not None else ""
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="icon" href="data:,">'
+        f"<title>{_esc(title)}</title><style>{STYLE}</style></head><body>"
+        f"<h1>{_esc(title)}</h1><nav>{nav}</nav>"
+        f"<h2>Headline</h2>{_headline_table(runs, costs)}"
+        f'<p class="nodata">Rates and step time: medians over the logged steps after the '
+        f"first.{_esc(cost_note)}</p>"
+        f"<h2>Layout</h2>{layout if keys else '<p class=nodata>no layout recorded</p>'}"
+        f"<h2>Plots</h2>{''.join(_figure(p) for p in plots)}"
+        f"{''.join(_run_section(i, runs) for i in range(len(runs)))}"
+        "</body></html>\n"
+    )
+
+
+def default_out(run_dirs: Sequence[str | Path]) -> Path:
+    """RUN_DIR/report.html; for two runs A B, A/compare-<B's directory name>.html."""
+    first = Path(run_dirs[0])
+    if len(run_dirs) == 1:
+        return first / "report.html"
+    return first / f"compare-{Path(run_dirs[1]).resolve().name}.html"
+
+
+def write_html(
+    run_dirs: Sequence[str | Path],
+    out: str | Path | None = None,
+    cluster: str | Path | None = None,
+) -> Path:
+    """Write the page (atomically) and return its path."""
+    text = build_html(run_dirs, cluster)
+    path = Path(out) if out is not None else default_out(run_dirs)
+    if not path.parent.is_dir():
+        raise ConfigError(f"cannot write {path}: folder {path.parent} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a directory")
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return path
