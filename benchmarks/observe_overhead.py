@@ -4,14 +4,14 @@ on, and with all of them off, alternating in one run so machine noise hits both 
   on   the system sampler (every --sample seconds), the flight record, TensorBoard,
        Weights & Biases (offline; when the wandb package is installed) and the
        Prometheus endpoint, scraped over loopback every --scrape seconds by this script
-       for the whole run, as a Prometheus server would
+       for the whole run, as a Prometheus server would (--on picks some of them)
   off  none of them: only metrics.jsonl and the console
 
 Printed: median step time and tokens/s per setting, and the per-round ratios on/off
 (goal: overhead under 2%). Throughput is the run's median over its logged intervals
 (report.json tokens_per_s), which counts every step, logged or not.
 
-    python benchmarks/observe_overhead.py [--reps 5] [--steps 200] [--out FILE]
+    python benchmarks/observe_overhead.py [--reps 5] [--steps 200] [--on LIST] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ import yaml
 WANDB = importlib.util.find_spec("wandb") is not None
 
 
-def job(steps: int, on: bool, port: int, sample_s: float) -> dict:
-    observe: dict = {"log_every": 10, "flight": on, "system": on}
-    if on:
-        observe.update(tensorboard=True, prometheus_port=port, sample_every_s=sample_s)
-        if WANDB:
-            observe["wandb"] = {"project": "meshforge-bench", "mode": "offline"}
+SINKS = ("sampler", "flight", "tensorboard", "prometheus", "wandb")
+
+
+def job(steps: int, on: tuple[str, ...], port: int, sample_s: float) -> dict:
+    observe: dict = {"log_every": 10, "flight": "flight" in on, "system": "sampler" in on}
+    observe["sample_every_s"] = sample_s
+    observe["tensorboard"] = "tensorboard" in on
+    if "prometheus" in on:
+        observe["prometheus_port"] = port
+    if "wandb" in on:
+        observe["wandb"] = {"project": "meshforge-bench", "mode": "offline"}
     return {
         "name": "observe-overhead",
         "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
@@ -111,16 +116,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--sample", type=float, default=2.0, help="observe.sample_every_s")
     ap.add_argument("--scrape", type=float, default=1.0, help="seconds between scrapes")
+    ap.add_argument(
+        "--on",
+        default=",".join(s for s in SINKS if s != "wandb" or WANDB),
+        help=f"what 'on' turns on, comma-separated, of {','.join(SINKS)} (default: all)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    chosen = tuple(s for s in args.on.split(",") if s)
+    unknown = set(chosen) - set(SINKS)
+    if unknown or ("prometheus" in chosen and "flight" not in chosen):
+        ap.error(f"--on: choose from {','.join(SINKS)} (prometheus needs flight)")
     on, off = [], []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         for rep in range(args.reps):
             for watched, store in ((True, on), (False, off))[:: 1 if rep % 2 == 0 else -1]:
-                cfg = job(args.steps, watched, free_port(), args.sample)
+                cfg = job(args.steps, chosen if watched else (), free_port(), args.sample)
                 r = run(tmp, f"{'on' if watched else 'off'}-{rep}", cfg, args.scrape)
-                assert r["tensorboard"] == watched and (r["samples"] > 0) == watched, r
+                assert r["tensorboard"] == (watched and "tensorboard" in chosen), r
+                assert (r["samples"] > 0) == (watched and "sampler" in chosen), r
                 store.append(r)
                 print(f"rep {rep} sinks {'on ' if watched else 'off'}: step "
                       f"{1e3 * r['step_time_s']:.2f} ms, {r['tokens_per_s']:,.0f} tok/s, "
@@ -132,7 +147,7 @@ def main() -> None:
     ratio_tps = statistics.median(
         a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on, off, strict=True)
     )
-    sinks = "sampler, flight, TensorBoard, Prometheus" + (", W&B offline" if WANDB else "")
+    sinks = ", ".join(chosen)
     lines = [
         f"# benchmarks/observe_overhead.py, {time.strftime('%Y-%m-%d')}, torch "
         f"{version('torch')}, {os.cpu_count()} cores, GPT d128 L4 s128, world 2, zero=0, "

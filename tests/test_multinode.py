@@ -3,6 +3,7 @@ pass through `meshforge train` to the elastic agent (c10d rendezvous)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def _assert_two_hosts(job, addrs) -> None:
         assert "step 6/6" in text, text[-2000:]
     # the run directory holds the job config whichever launcher started it
     assert (job.run_dir / "config.yaml").is_file()
+    # each node's first rank sampled its own host, interfaces included
+    samples = {}
+    for path in sorted((job.run_dir / "system").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        samples[path.name] = rows[-1]
+    assert sorted(samples) == ["node-0.jsonl", "node-1.jsonl"], sorted(samples)
+    assert sorted(row["addr"] for row in samples.values()) == sorted(addrs)
+    for row in samples.values():
+        assert "lo" in row["net"] and len(row["net"]) >= 2, row["net"]
 
 
 @pytest.mark.parametrize("zero", [0, 3], ids=["ddp", "zero3"])

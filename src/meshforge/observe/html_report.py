@@ -28,7 +28,7 @@ from meshforge.errors import ConfigError, DataError, MeshforgeError
 from meshforge.fileio import write_text_atomic
 from meshforge.observe.console import format_bytes, format_duration, format_percent
 from meshforge.observe.metrics import read_jsonl
-from meshforge.observe.plots import _merge_by_step, _number
+from meshforge.observe.plots import _merge_by_step, _number, _series
 from meshforge.observe.svg import Line, bar_chart, line_chart, stack_chart, tick
 
 if TYPE_CHECKING:
@@ -129,16 +129,6 @@ def _status_without_report(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- series from rows
-
-
-def _series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list, list]:
-    xs, ys = [], []
-    for row in rows:
-        value = _number(row.get(key))
-        if value is not None:
-            xs.append(row["step"])
-            ys.append(value * scale)
-    return xs, ys
 
 
 def _per_rank(rows: list[dict[str, Any]], key: str) -> dict[int, tuple[list, list]]:
