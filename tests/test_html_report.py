@@ -82,12 +82,12 @@ def test_the_page_renders_in_chromium_without_console_messages(
 
     shot = tmp_path / "report.png"
     proc = _chromium(tmp_path, runs[0] / "report.html", f"--screenshot={shot}",
-                     "--window-size=1280,2400")  # fmt: skip
+                     "--window-size=1280,4200")  # fmt: skip
     assert shot.is_file(), proc.stderr[-2000:]
     assert _console(proc) == []
     colors = Image.open(shot).convert("RGB").getcolors(1 << 24)  # [(count, (r, g, b))]
     non_white = sum(n for n, rgb in colors if min(rgb) < 240) / sum(n for n, _ in colors)
-    assert len(colors) > 100 and non_white > 0.03, (len(colors), non_white)
+    assert len(colors) > 100 and non_white > 0.01, (len(colors), non_white)
 
     dumped = _chromium(tmp_path, runs[0] / "report.html", "--dump-dom")
     assert _console(dumped) == []
@@ -136,7 +136,7 @@ def test_meshforge_report_with_out_and_cluster(runs: tuple[Path, Path], tmp_path
 @pytest.mark.parametrize(
     "case, words",
     [
-        ("missing", ["does not exist"]),
+        ("missing", ["no such run directory"]),
         ("file", ["not a directory"]),
         ("empty", ["no metrics.jsonl nor report.json"]),
         ("cluster-missing", ["cluster file not found"]),

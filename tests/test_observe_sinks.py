@@ -217,3 +217,22 @@ def test_prometheus_address_is_refused_in_the_port(tmp_path):
     )
     assert_one_line_error(proc, "prometheus_addr")
     assert not job.run_dir.exists()
+
+
+def test_a_resumed_run_logs_each_step_once_to_tensorboard(tmp_path):
+    """A run that crashed after step 15 resumes from its step-10 checkpoint and logs
+    steps 11-15 again: TensorBoard keeps the new attempt's, once each."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = Job(tmp_path, {"observe": {"tensorboard": True}, "checkpoint": {"every": 10}})
+    crashed = job.train(2, env={"MESHFORGE_FAULT": "crash:15"}, check=False)
+    assert crashed.returncode != 0
+    job.train(2)
+    acc = EventAccumulator(str(job.run_dir / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    steps = [e.step for e in events]
+    assert sorted(steps) == list(range(1, 21)), steps
+    losses = job.losses()  # the latest row of each step
+    for e in events:
+        assert e.value == pytest.approx(losses[e.step], rel=1e-6)

@@ -233,6 +233,14 @@ class WandbConfig(_Section):
     it as it trains (needs `wandb login` on rank 0's node)."""
 
     project: str = Field(min_length=1)
+
+    @field_validator("project", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError("name the W&B project (observe.wandb.project: NAME)")
+        return value
+
     mode: Literal["offline", "online"] = "offline"
     entity: str | None = None
 
@@ -270,8 +278,8 @@ class ObserveConfig(_Section):
         """A port number; an address belongs in prometheus_addr, said out loud."""
         if isinstance(value, str) and not value.strip().isdigit():
             raise ValueError(
-                f"observe.prometheus_port takes a port number, not {value!r}; the endpoint "
-                "listens on 127.0.0.1 unless observe.prometheus_addr names another address"
+                f"a port number, not {value!r}: the endpoint listens on 127.0.0.1 unless "
+                "observe.prometheus_addr names another address"
             )
         return value
 

@@ -67,8 +67,8 @@ def load_run(run_dir: str | Path) -> Run:
     """The records of RUN_DIR; DataError when it is not a run directory."""
     path = Path(run_dir)
     if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise DataError(f"run directory {path} {what}")
+        what = "is not a directory" if path.exists() else "no such run directory"
+        raise DataError(f"{path}: {what}")
     metrics, report_path = path / "metrics.jsonl", path / "report.json"
     if not metrics.is_file() and not report_path.is_file():
         raise DataError(f"{path}: no metrics.jsonl nor report.json (not a meshforge run directory)")
@@ -613,8 +613,19 @@ def _layout(run: Run) -> dict[str, Any]:
     layout = run.report.get("layout")
     if isinstance(layout, dict):
         return layout
-    parallel = run.config.get("parallel")  # no report yet: what the config asked for
-    return parallel if isinstance(parallel, dict) else {}
+    # no report (running, or interrupted): what the config asked for, plain values only
+    parallel = run.config.get("parallel")
+    if not isinstance(parallel, dict):
+        return {}
+    train = run.config.get("train") or {}
+    plain = {k: v for k, v in parallel.items() if not isinstance(v, dict | list) and v is not None}
+    for key in ("micro_batch", "global_batch"):
+        if isinstance(train, dict) and key in train:
+            plain[key] = train[key]
+    precision = run.config.get("precision") or {}
+    if isinstance(precision, dict) and "dtype" in precision:
+        plain["dtype"] = precision["dtype"]
+    return {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in plain.items()}
 
 
 def _about(run: Run) -> list[tuple[str, str]]:
@@ -721,6 +732,8 @@ def build_html(run_dirs: Sequence[str | Path], cluster: str | Path | None = None
     """The report page of one run, or of two runs overlaid (A, B)."""
     if not 1 <= len(run_dirs) <= 2:
         raise ConfigError(f"give one run directory, or two to compare (got {len(run_dirs)})")
+    if len(run_dirs) == 2 and Path(run_dirs[0]).resolve() == Path(run_dirs[1]).resolve():
+        raise ConfigError(f"{run_dirs[0]} and {run_dirs[1]} are the same run directory")
     runs = [load_run(d) for d in run_dirs]
     costs = None
     if cluster is not None:
@@ -759,8 +772,8 @@ def build_html(run_dirs: Sequence[str | Path], cluster: str | Path | None = None
         f'<p class="nodata">Rates and step time: medians over the logged steps after the '
         f"first.{_esc(cost_note)}</p>"
         f"<h2>Layout</h2>{layout if keys else '<p class=nodata>no layout recorded</p>'}"
-        f"<h2>Plots</h2>{''.join(_figure(p) for p in plots)}"
         f"{''.join(_run_section(i, runs) for i in range(len(runs)))}"
+        f"<h2>Plots</h2>{''.join(_figure(p) for p in plots)}"
         "</body></html>\n"
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -84,11 +85,14 @@ class TensorBoardSink:
     """Scalars in RUN_DIR/tensorboard, written by the tensorboard package's event writer
     (through torch.utils.tensorboard); system samples under system/."""
 
-    def __init__(self, logdir: Path) -> None:
+    def __init__(self, logdir: Path, resumed_from: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10)
-        self.step = 0
+        # a resumed run logs again the steps after its checkpoint: TensorBoard drops the
+        # earlier attempt's events from there on (purge_step), so no step shows twice
+        purge = resumed_from + 1 if resumed_from else None
+        self.writer = SummaryWriter(log_dir=str(logdir), flush_secs=10, purge_step=purge)
+        self.step = resumed_from or 0
 
     def write(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
@@ -134,15 +138,25 @@ class WandbSink:
         import wandb
 
         w = cfg.observe.wandb
+        # one W&B run per run directory: a resumed run continues it (its id is kept in
+        # RUN_DIR/wandb/meshforge-run-id)
+        folder = Path(run_dir) / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "meshforge-run-id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
         self.run = wandb.init(
             project=w.project,
             entity=w.entity,
             mode=w.mode,
             name=cfg.name,
+            id=run_id,
+            resume="allow",
             dir=str(run_dir),
             config=cfg.model_dump(mode="json"),
             settings=wandb.Settings(silent=True, console="off"),
         )
+        self.where = folder if w.mode == "offline" else self.run.url
 
     def write(self, row: dict[str, Any]) -> None:
         values = {k: v for k in _TB_TAGS if (v := _finite(row.get(k))) is not None}
@@ -304,6 +318,7 @@ class Sinks:
         self.warn = warn
         self.guarded: list[Guarded] = []
         self.exporter: PrometheusExporter | None = None
+        self.wandb: WandbSink | None = None
 
     def add(self, name: str, make: Callable[[], Any]) -> Any:
         """Start a sink; one that cannot start warns once and is left out."""
@@ -343,21 +358,23 @@ def open_sinks(
     rank: int,
     local_rank: int,
     here: dict[str, Any],
-    sampler: Any,
     warn: Warn,
+    resumed_from: int | None = None,
 ) -> Sinks:
     """The sinks this process runs: rank 0 writes rows to TensorBoard and W&B; a node's
     first rank serves its Prometheus endpoint."""
     o = cfg.observe
     sinks = Sinks(warn)
     if rank == 0 and o.tensorboard:
-        sinks.add("TensorBoard", lambda: TensorBoardSink(Path(run_dir) / "tensorboard"))
+        sinks.add(
+            "TensorBoard", lambda: TensorBoardSink(Path(run_dir) / "tensorboard", resumed_from)
+        )
     if rank == 0 and o.wandb is not None:
-        sinks.add("Weights & Biases", lambda: WandbSink(Path(run_dir), cfg))
+        sinks.wandb = sinks.add("Weights & Biases", lambda: WandbSink(Path(run_dir), cfg))
     if local_rank == 0 and o.prometheus_port:
         port, addr = o.prometheus_port, o.prometheus_addr
         sinks.exporter = sinks.add(
             f"Prometheus endpoint on {addr}:{port}",
-            lambda: PrometheusExporter(run_dir, addr, port, here, sampler),
+            lambda: PrometheusExporter(run_dir, addr, port, here),
         )
     return sinks

@@ -6,9 +6,10 @@ Nothing here connects to the job; each frame is what the run directory says now:
   newest metrics.jsonl row's loss, tokens/s and MFU, with an ETA from the pace of the
   last rows (only the file's tail is read: it grows with the run);
 - one line per rank from health/flight-rank-K.json (observe/flight.py): host, step,
-  phase and for how long, step time, memory, status and the age of the record. While
-  the run is running, a running rank whose record is older than 3 x
-  observe.flight_every_s is flagged stale: it may hang (`meshforge diagnose` says more);
+  phase and how long it had been in it when it wrote the record, step time, memory,
+  status and the age of the record. While the run is running, a running rank whose
+  record is older than 3 x observe.flight_every_s is flagged stale: it may hang
+  (`meshforge diagnose` says more);
 - one line per host from the newest sample of system/*.jsonl (observe/sampler.py): CPU,
   memory, network summed over the non-loopback interfaces, link utilisation, GPUs.
 
@@ -209,7 +210,10 @@ def _report_note(report: dict[str, Any]) -> str | None:
         return f"failure: {summary}" if summary else None
     stopped = report.get("stopped")
     if report.get("status") == "stopped" and stopped is not None:
-        return f"stopped: {json.dumps(stopped) if isinstance(stopped, dict) else stopped}"
+        if isinstance(stopped, dict):
+            signal = f" ({stopped['signal']})" if stopped.get("signal") else ""
+            return f"stopped after step {stopped.get('step')}{signal}, checkpoint written"
+        return f"stopped: {stopped}"
     return None
 
 
@@ -314,6 +318,9 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         eta_s = None if per_step is None else max(0, total - step) * per_step
 
     name = config.get("name") or (report or {}).get("name") or run_dir.resolve().name
+    if report is not None and status in FINAL_STATUSES and _num(report.get("tokens_per_s")):
+        # a finished run: its medians (report.json), not the last interval's figures
+        row = {**row, "tokens_per_s": report["tokens_per_s"], "mfu": report.get("mfu")}
     return RunView(
         run_dir=run_dir,
         now=now,
@@ -387,9 +394,11 @@ def _rank_rows(view: RunView) -> list[list[str]]:
             rows.append([str(line.rank), host, "n/a", "n/a", "n/a", "n/a", line.problem or "", age])
             continue
         phase = str(r.get("phase") or "n/a")[:18]
-        since = _num(r.get("phase_since"))
-        if live and r.get("status") == "running" and since is not None:
-            phase += f" {_age(max(0.0, view.now - since))}"
+        # how long the rank had been in its phase when it wrote the record (the record's
+        # own age is the last column): a phase that lasts is a rank stuck in it
+        since, written = _num(r.get("phase_since")), _num(r.get("time"))
+        if live and r.get("status") == "running" and since is not None and written is not None:
+            phase += f" {_age(max(0.0, written - since))}"
         step_time = r.get("step_time_s")
         if _num(step_time) is None:
             step_time = _per_rank(view.row, "step_time_s_per_rank", line.rank)

@@ -296,7 +296,7 @@ class Trainer:
         tracer = StepTracer(self.run_dir, rt.rank, parse_steps(c.observe.trace_steps), self.device)
         with loader, progress, contextlib.ExitStack() as observers:
             self.progress = progress
-            sinks = self._start_observers(observers)
+            sinks = self._start_observers(observers, resumed_from)
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
             interval_t0, interval_steps = time.perf_counter(), 0
@@ -501,19 +501,26 @@ class Trainer:
         return row
 
     # -- observing ----------------------------------------------------------------------------
-    def _start_observers(self, stack: contextlib.ExitStack) -> Sinks:
+    def _start_observers(self, stack: contextlib.ExitStack, resumed_from: int | None) -> Sinks:
         """The node's system sampler (its first rank) and this process's sinks, closed
         by `stack` however the run ends."""
         o, rt = self.cfg.observe, self.rt
         here = host_of_rank()
-        sinks = open_sinks(self.cfg, self.run_dir, rt.rank, rt.env.local_rank, here,
-                           None, self._warn)  # fmt: skip
+        sinks = open_sinks(self.cfg, self.run_dir, rt.rank, rt.env.local_rank, here, self._warn,
+                           resumed_from)  # fmt: skip
         stack.callback(sinks.close)
         where = []
         if sinks.exporter is not None:
             where.append(f"Prometheus metrics at {sinks.exporter.url}")
         if any(g.name == "TensorBoard" for g in sinks.guarded):
             where.append(f"TensorBoard: tensorboard --logdir {self.run_dir / 'tensorboard'}")
+        if sinks.wandb is not None:
+            w = sinks.wandb.where
+            where.append(
+                f"Weights & Biases: offline run in {w} (upload it: wandb sync {w}/offline-run-*)"
+                if isinstance(w, Path)
+                else f"Weights & Biases: {w}"
+            )
         for text in where:
             log.info(text)
             if rt.is_main and self.progress is not None:
