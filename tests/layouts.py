@@ -137,6 +137,9 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     engine's way (meta device, cut, shard, then initialise this rank's slice), or
     (full_model) a whole GPT built and initialised on the CPU. Sampled every
     millisecond by a thread."""
+    import contextlib
+    import ctypes
+    import gc
     import threading
 
     import psutil
@@ -153,6 +156,11 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     dims = tiny.dims(dist.get_world_size())
     build_gpt(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
     GPT(tiny.model)
+    # memory freed by earlier work in this long-lived worker and still held by the heap
+    # would be reused silently and hide the growth: hand it back to the kernel first
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = [base]
