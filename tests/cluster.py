@@ -18,14 +18,24 @@ not resolve: each node's NodeAddr is its host's address. The controller is reach
 only inside the hosts' segment, so Slurm's clients run inside host 0 (`slurm.run`,
 `slurm.client_argv`). See ../shared/CLUSTER-TESTBED.md for how each piece was found.
 
-Both are context managers that skip the calling test (pytest.skip, with the reason)
-where this machine cannot run them: not root, or the tools missing.
+MooseFS: a real distributed file system over those hosts (master in host 0, one chunk
+server in each other host, goal = their number), mounted with FUSE at a path every
+process on this machine sees:
+
+    with netns_hosts(3) as hosts, moosefs(hosts, tmp_path / "mfs") as fs:
+        (fs.mount / "shards").mkdir()                  # fs.mount: a plain POSIX path
+
+All three are context managers that skip the calling test (pytest.skip, with the
+reason) where this machine cannot run them: not root, no /dev/fuse, or the tools
+missing. `moosefs_unavailable()` says why beforehand (for benchmarks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -476,3 +486,270 @@ def train_on_hosts(
             )
         )
     return outputs
+
+
+# --- MooseFS ---------------------------------------------------------------------------
+
+MOOSEFS_TOOLS = ("mfsmaster", "mfschunkserver", "mfsmount", "mfssetgoal", "mfscheckfile")
+MOOSEFS_PACKAGES = "moosefs-master moosefs-chunkserver moosefs-client"
+MOOSEFS_EMPTY_METADATA = Path("/var/lib/mfs/metadata.mfs.empty")
+_COPIES = re.compile(r"chunks with (\d+) cop(?:y|ies):\s+(\d+)")
+
+
+@dataclass
+class MooseFS:
+    """A running MooseFS: `mount` is an ordinary directory for every process here.
+    Its admin tools (mfssetgoal, mfscheckfile, ...) reach the master over the hosts'
+    segment, so they run inside the master's host (`fs.run`)."""
+
+    mount: Path
+    master: Host
+    chunkservers: list[Host]
+    goal: int  # copies of every chunk: one per chunk server
+    root: Path  # configs, daemon state and logs (the mount point is root/mnt)
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = 30, check: bool = True, **kwargs
+    ) -> subprocess.CompletedProcess:
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(
+            self.master.nsenter_argv(argv), timeout=timeout, check=check, **kwargs
+        )
+
+    def chunk_copies(self, path: Path) -> dict[int, int]:
+        """{copies: chunks} of one file on the mount (`mfscheckfile`)."""
+        out = self.run(["mfscheckfile", str(path)], timeout=15).stdout
+        return {int(k): int(n) for k, n in _COPIES.findall(out)}
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self._procs.items()}
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        """The daemons' and the client's output tails, for an assertion message."""
+        parts = []
+        for path in sorted(self.root.glob("*.log")):
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
+        return "\n".join(parts)
+
+
+def moosefs_unavailable() -> str | None:
+    """Why MooseFS cannot run here, or None."""
+    reason = _cannot_make_namespaces()
+    if reason:
+        return reason
+    missing = [t for t in MOOSEFS_TOOLS if shutil.which(t) is None]
+    if missing or not MOOSEFS_EMPTY_METADATA.is_file():
+        what = ", ".join(missing) or str(MOOSEFS_EMPTY_METADATA)
+        return f"needs {what} (Debian: apt-get install {MOOSEFS_PACKAGES})"
+    try:  # a container may list /dev/fuse and still refuse it
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"FUSE unusable: /dev/fuse: {exc.strerror}"
+    return None
+
+
+def _mfs_configs(root: Path, master: Host, chunkservers: list[Host]) -> None:
+    # The daemons run as root: they stay out of the way of a pytest temp dir (0700, which
+    # the packages' `mfs` user could not enter), and only ever see this test's files.
+    common = [
+        "WORKING_USER = root",
+        "WORKING_GROUP = root",
+        "NICE_LEVEL = 0",  # 2 shared cores: no priority over the test itself
+        "DISABLE_OOM_KILLER = 0",
+    ]
+    (root / "master").mkdir()
+    shutil.copyfile(MOOSEFS_EMPTY_METADATA, root / "master" / "metadata.mfs")
+    (root / "mfsexports.cfg").write_text("* / rw,alldirs,admin,maproot=0:0\n* . rw\n")
+    (root / "mfstopology.cfg").write_text("")
+    (root / "mfsmount.cfg").write_text("")  # not /etc/mfs/mfsmount.cfg
+    (root / "mfsmaster.cfg").write_text(
+        "\n".join(
+            [
+                *common,
+                f"DATA_PATH = {root}/master",
+                f"EXPORTS_FILENAME = {root}/mfsexports.cfg",
+                f"TOPOLOGY_FILENAME = {root}/mfstopology.cfg",
+                f"MATOML_LISTEN_HOST = {master.addr}",
+                f"MATOCS_LISTEN_HOST = {master.addr}",
+                f"MATOCL_LISTEN_HOST = {master.addr}",
+                "REPLICATIONS_DELAY_INIT = 0",
+            ]
+        )
+        + "\n"
+    )
+    for i, host in enumerate(chunkservers):
+        cs = root / f"cs{i}"
+        (cs / "hdd").mkdir(parents=True)
+        (cs / "mfshdd.cfg").write_text(f"{cs}/hdd\n")
+        (root / f"mfschunkserver-{i}.cfg").write_text(
+            "\n".join(
+                [
+                    *common,
+                    f"DATA_PATH = {cs}",
+                    f"HDD_CONF_FILENAME = {cs}/mfshdd.cfg",
+                    "HDD_LEAVE_SPACE_DEFAULT = 1GiB",
+                    f"MASTER_HOST = {master.addr}",
+                    f"BIND_HOST = {host.addr}",
+                    f"CSSERV_LISTEN_HOST = {host.addr}",
+                ]
+            )
+            + "\n"
+        )
+
+
+def _mounted(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mounts") as mounts:  # no stat(): a dead FUSE mount would hang it
+        return any(line.split()[1] == target for line in mounts if len(line.split()) > 1)
+
+
+@contextmanager
+def moosefs(
+    hosts: Sequence[Host],
+    root: Path,
+    *,
+    mount_options: Sequence[str] = (),
+    ready_timeout_s: float = 30,
+) -> Iterator[MooseFS]:
+    """A real MooseFS over `hosts`: the master in hosts[0], a chunk server in each other
+    host (in hosts[0] when it is the only one), goal = the number of chunk servers, the
+    FUSE client mounted at `root/mnt` (entered with `nsenter --net`, so the mount is
+    visible to every process). Yields once a file written there has `goal` copies; on
+    exit unmounts and stops every daemon it started, by its pid."""
+    reason = moosefs_unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    master, chunkservers = hosts[0], list(hosts[1:]) or [hosts[0]]
+    mount = root / "mnt"
+    mount.mkdir()
+    _mfs_configs(root, master, chunkservers)
+    fs = MooseFS(mount, master, chunkservers, len(chunkservers), root)
+
+    def daemon(name: str, host: Host, argv: list[str]) -> None:
+        with open(root / f"{name}.log", "wb") as log:  # -f: stays our child, logs here
+            fs._procs[name] = subprocess.Popen(
+                host.nsenter_argv(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # a ^C to the test reaches us, not the daemons
+            )
+
+    def alive() -> None:
+        for name, proc in fs._procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode})")
+
+    try:
+        daemon("mfsmaster", master, ["mfsmaster", "-f", "-c", f"{root}/mfsmaster.cfg"])
+        for i, host in enumerate(chunkservers):
+            cfg = f"{root}/mfschunkserver-{i}.cfg"
+            daemon(f"mfschunkserver-{i}", host, ["mfschunkserver", "-f", "-c", cfg])
+
+        def master_listens() -> bool:  # for clients (9421); the client gives up at once
+            alive()
+            return bool(
+                fs.run(["ss", "-Hltn", "sport = :9421"], timeout=10, check=False).stdout.strip()
+            )
+
+        def has_space() -> bool:  # the master counts a chunk server's disk once it registered
+            alive()
+            if not _mounted(mount):
+                return False
+            proc = subprocess.run(
+                ["stat", "-f", "-c", "%b", str(mount)], capture_output=True, text=True, timeout=10
+            )
+            return proc.returncode == 0 and int(proc.stdout.strip() or 0) > 0
+
+        probe = mount / f".probe-{os.getpid()}"
+
+        def probe_has_goal_copies() -> bool:
+            # Every chunk server has registered once a new chunk gets `goal` copies.
+            alive()
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={probe}", "bs=64k", "count=1", "conv=fsync"],
+                capture_output=True,
+                timeout=15,
+                check=True,
+            )
+            copies = fs.chunk_copies(probe)
+            probe.unlink()
+            return copies.get(fs.goal, 0) >= 1
+
+        deadline = time.monotonic() + ready_timeout_s
+        try:
+            _wait_for(master_listens, ready_timeout_s, "mfsmaster listening")
+            options = [
+                f"mfscfgfile={root}/mfsmount.cfg",
+                "mfsnice=0",
+                "mfsallowoomkiller",
+                "mfsioretries=10",  # an unreachable chunk fails a read in seconds, not minutes
+            ]
+            daemon(
+                "mfsmount",
+                master,
+                ["mfsmount", str(mount), "-f", "-H", master.addr,
+                 "-o", ",".join([*options, *mount_options])],
+            )  # fmt: skip
+            _wait_for(has_space, max(1.0, deadline - time.monotonic()), "MooseFS mounted")
+            fs.run(["mfssetgoal", "-r", str(fs.goal), str(mount)])
+            _wait_for(
+                probe_has_goal_copies,
+                max(1.0, deadline - time.monotonic()),
+                f"a new file with {fs.goal} copies",
+            )
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"MooseFS did not start: {exc}\n{fs.logs()}") from None
+        yield fs
+    finally:
+        _moosefs_teardown(fs)
+
+
+def _moosefs_teardown(fs: MooseFS) -> None:
+    """Unmount, then stop the client, the chunk servers and the master (it saves its
+    metadata on SIGTERM) together, each by the pid we started it with. Chunk data is
+    removed; configs and logs stay in `root`."""
+    procs = fs._procs
+    try:
+        if _mounted(fs.mount):
+            done = subprocess.run(["umount", str(fs.mount)], capture_output=True, timeout=30)
+            if done.returncode != 0:  # busy (a reader still inside): detach it all the same
+                subprocess.run(["umount", "-l", str(fs.mount)], capture_output=True, timeout=30)
+        alive = [proc for proc in procs.values() if proc.poll() is None]
+        for proc in alive:  # all at once: each takes a second or three to wind down
+            proc.send_signal(signal.SIGTERM)
+        for proc in alive:
+            _stop(proc, grace_s=15)
+        if _mounted(fs.mount):  # the client died first: a dead mount is left to detach
+            subprocess.run(["umount", "-l", str(fs.mount)], capture_output=True, timeout=30)
+        # The master forks to save its metadata on exit: wait for every process still
+        # working in our directories (no one else's can be), and kill what outstays.
+        try:
+            _wait_for(lambda: not _processes_in(fs.root), 15, "MooseFS processes gone")
+        except RuntimeError:
+            for pid in _processes_in(fs.root):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    finally:
+        for i in range(len(fs.chunkservers)):
+            shutil.rmtree(fs.root / f"cs{i}" / "hdd", ignore_errors=True)
+
+
+def _processes_in(root: Path) -> list[int]:
+    """Processes whose working directory lies under `root` (MooseFS daemons chdir to
+    their DATA_PATH, which is ours alone)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cwd = Path(os.readlink(entry / "cwd"))
+            except OSError:  # gone, or a zombie: nothing to wait for
+                continue
+            if cwd == root or root in cwd.parents:
+                pids.append(int(entry.name))
+    return pids

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshforge.data import shards as shards_module
+from meshforge.data import formats as formats_module
 from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards, prepare, source_files
 from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, VOCAB_SIZE, decode, encode
 from meshforge.errors import DataError
@@ -100,7 +100,7 @@ def test_sharded_tokens_slice_like_one_concatenated_array(
         assert view[start % len(whole)] == whole[start % len(whole)]
 
 
-def test_prepare_refuses_to_overwrite_an_index_without_force(tmp_path: Path) -> None:
+def test_prepare_refuses_to_rebuild_over_a_changed_source_without_force(tmp_path: Path) -> None:
     src = tmp_path / "a.txt"
     src.write_text("old text")
     out = tmp_path / "out"
@@ -108,7 +108,7 @@ def test_prepare_refuses_to_overwrite_an_index_without_force(tmp_path: Path) -> 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     src.write_text("new text, longer than before")
-    with pytest.raises(DataError, match="already exists"):
+    with pytest.raises(DataError, match=r"already exists and source a\.txt changed.*--force"):
         prepare(src, out, shard_tokens=4)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -135,7 +135,7 @@ def test_a_failed_prepare_leaves_the_previous_index_and_no_staging(
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(shards_module, "open", failing_open, raising=False)
+    monkeypatch.setattr(formats_module, "open", failing_open, raising=False)
     with pytest.raises(DataError, match=r"b\.txt: cannot read \(Permission denied\)"):
         prepare(src, out, shard_tokens=3, force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -222,7 +222,24 @@ def test_a_shard_path_outside_the_directory_is_rejected(shard_dir: Path) -> None
         load_shards(shard_dir)
 
 
-def test_checksum_verification_catches_changed_bytes(shard_dir: Path) -> None:
+def test_a_changed_byte_of_a_small_shard_is_caught_at_load(shard_dir: Path) -> None:
+    path = shard_dir / "shard-00000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(bytes(raw))
+    # a shard under 1 MiB is all head: the load-time check reads every byte of it
+    with pytest.raises(DataError, match=r"shard-00000\.bin is damaged: its first 256 bytes"):
+        load_shards(shard_dir)
+
+
+def test_an_index_without_end_digests_is_checked_by_size_and_full_checksum(
+    shard_dir: Path,
+) -> None:
+    def drop_digests(index: dict) -> None:
+        for shard in index["shards"]:
+            del shard["head_sha256"], shard["tail_sha256"]
+
+    _edit_index(shard_dir, drop_digests)  # as written before they existed
     path = shard_dir / "shard-00000.bin"
     raw = bytearray(path.read_bytes())
     raw[0] ^= 1

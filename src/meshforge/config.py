@@ -44,9 +44,17 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
+    # The built-in corpus, a token-shard directory (`meshforge data prepare`), a
+    # nanoGPT-style .bin token file, or an fsspec URL of shards (s3://, gs://, ...)
+    # copied once into cache_dir.
     source: str = "builtin:python-stdlib"
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    prefetch: int = Field(2, ge=0)
+    prefetch: int = Field(2, ge=0)  # steps prepared ahead
+    readers: int = Field(1, ge=1)  # threads gathering a step's sequences
+    cache_dir: str | None = None  # remote shards' local copy (default: the user cache)
+    # Warn, naming data.source, when waiting for data takes more than this share of
+    # the step (over a logged interval after the first).
+    wait_warning: float = Field(0.1, gt=0, le=1)
 
 
 class CommConfig(_Section):

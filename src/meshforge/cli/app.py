@@ -10,5 +10,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Token shards: prepare them from text, JSONL, Parquet or datasets; inspect them.",
+    no_args_is_help=True,
+)
 app.add_typer(data_app, name="data")

@@ -1,10 +1,12 @@
 """`meshforge bench comm`: collective bus bandwidth (bench/comm.py), nccl-tests style.
+`meshforge bench io`: storage read throughput and latency under the shards (bench/io.py).
 
-Standalone it starts its ranks through the torch elastic agent, as `meshforge train`
-does, and takes the same torchrun flags (`--nproc N`, `--nnodes`, `--rdzv-endpoint`,
-...); under torchrun, srun or mpirun each process is one rank. Rank 0 prints. The
-command line is read by argparse, as `meshforge train`'s is, since torchrun's flags come
-with it."""
+`bench comm` standalone starts its ranks through the torch elastic agent, as `meshforge
+train` does, and takes the same torchrun flags (`--nproc N`, `--nnodes`,
+`--rdzv-endpoint`, ...); under torchrun, srun or mpirun each process is one rank. Rank 0
+prints. Its command line is read by argparse, as `meshforge train`'s is, since
+torchrun's flags come with it. `bench io` is one process (its readers are threads or
+processes of its own) with ordinary options."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -24,7 +26,10 @@ if TYPE_CHECKING:
     from meshforge.bench.comm import CommBenchOptions
     from meshforge.launch.torchrun import LaunchArgs
 
-bench_app = typer.Typer(help="Benchmarks: collective bus bandwidth (comm).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: collective bus bandwidth (comm), storage read throughput (io).",
+    no_args_is_help=True,
+)
 app.add_typer(bench_app, name="bench")
 
 _PROG = "meshforge bench comm"
@@ -207,3 +212,116 @@ def _launch(options: CommBenchOptions, launch: LaunchArgs) -> int:
         flush=True,
     )
     return 1
+
+
+# -- bench io ----------------------------------------------------------------------------------
+
+_JOB = "The job to feed (optional)"
+
+
+def _counts(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected counts such as 1,2,4") from None
+    if not counts:
+        raise ConfigError(f"{flag} {text!r}: expected counts such as 1,2,4")
+    return counts
+
+
+@bench_app.command("io")
+def io(
+    path: Annotated[
+        Path,
+        typer.Argument(help="A shard directory, a .bin token file, or any directory of files."),
+    ],
+    readers: Annotated[
+        str, typer.Option("--readers", help="Concurrent reader counts, comma-separated.")
+    ] = "1,2,4",
+    mode: Annotated[str, typer.Option("--mode", help="Readers are threads or processes.")] = (
+        "threads"
+    ),
+    order: Annotated[
+        str, typer.Option("--order", help="Read orders, comma-separated: sequential, random.")
+    ] = "sequential,random",
+    seconds: Annotated[
+        float | None, typer.Option("--seconds", help="Time per row (default 2).")
+    ] = None,
+    max_bytes: Annotated[
+        str | None, typer.Option("--bytes", help="Bytes per row instead of a time (e.g. 1G).")
+    ] = None,
+    block: Annotated[str, typer.Option("--block", help="Bytes per read (K, M, G: 1024s).")] = (
+        "4M"
+    ),
+    page_cache: Annotated[
+        str,
+        typer.Option(
+            "--page-cache",
+            help="Before each pass: fadvise (posix_fadvise DONTNEED on the files read), "
+            "drop (also the whole machine's cache through drop_caches, as root) or keep.",
+        ),
+    ] = "fadvise",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    run: Annotated[
+        Path | None,
+        typer.Option(
+            "--run", help="A finished run: its report.json's tokens/s.", rich_help_panel=_JOB
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="A job config: the planner's tokens/s.", rich_help_panel=_JOB
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", help="Nodes of the job.", rich_help_panel=_JOB)
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option("--gpus-per-node", help="Devices per node (default 8).", rich_help_panel=_JOB),
+    ] = None,
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="Catalogue GPU for --config.", rich_help_panel=_JOB)
+    ] = "h100",
+) -> None:
+    """Read throughput (MB/s, tokens/s) and latency percentiles of the storage under
+    PATH for 1, 2, 4, ... concurrent readers, sequential and random, page cache dropped
+    where allowed. With --run RUN_DIR or --config JOB.yaml --nodes N: the read bandwidth
+    the job needs against what was measured, and the headroom."""
+    from meshforge.bench import io as bench
+    from meshforge.bench.io import parse_size
+
+    options = bench.IoBenchOptions(
+        path=str(path),
+        readers=_counts(readers, "--readers"),
+        mode=mode,
+        orders=tuple(o.strip() for o in order.split(",") if o.strip()),
+        seconds=seconds,
+        max_bytes=None if max_bytes is None else parse_size(max_bytes, "--bytes"),
+        block_bytes=parse_size(block, "--block"),
+        page_cache=page_cache,
+    )
+    data = bench.find_files(path)
+    need = None
+    if run is not None and config is not None:
+        raise ConfigError("give --run or --config, not both")
+    if run is not None:
+        need = bench.need_from_run(run, data.token_bytes, nodes, gpus_per_node)
+    elif config is not None:
+        if nodes is None:
+            raise ConfigError("--config needs --nodes N (and --gpus-per-node G, default 8)")
+        need = bench.need_from_plan(config, nodes, gpus_per_node or 8, data.token_bytes, gpu)
+    elif nodes is not None or gpus_per_node is not None:
+        raise ConfigError("--nodes and --gpus-per-node size a job: give --run or --config too")
+
+    def show(row: bench.IoRow, _: str) -> None:
+        print(bench.format_row(row), flush=True)
+
+    if not as_json:
+        print("\n".join(bench.header_lines(data, options)), flush=True)
+    result = bench.run_bench(options, need, None if as_json else show)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2), flush=True)
+    else:
+        print("\n".join(bench.footer_lines(result)), flush=True)

@@ -2,7 +2,12 @@
 
 One CPU process, no process group: torch.distributed.checkpoint reads the model
 shards whatever layout wrote them (DDP's plain tensors or FSDP's DTensor shards)
-and reassembles them into the full tensors of a freshly built GPT."""
+and reassembles them into the full tensors of a freshly built GPT.
+
+The prompt is encoded and the output decoded with the run's tokenizer: the one
+recorded in the index of its ``data.source`` shard directory (byte-level for the
+built-in corpus and for old indexes), or a ``tokenizer.json`` given by
+``--tokenizer`` (for sources that record none, e.g. nanoGPT ``.bin`` files)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from meshforge.cli.app import app
 from meshforge.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
+    from meshforge.data.tokenizer import Tokenizer
     from meshforge.models.gpt import GPT
 
 
@@ -43,16 +49,56 @@ def _checkpoint_dir(run_dir: Path, step: int | None) -> tuple[int, Path]:
     return step, path
 
 
-def load_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
-    """(GPT on CPU with the checkpoint's weights, the step it was saved at)."""
-    from meshforge.config import load_config
-
+def _run_config(run_dir: Path) -> Path:
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory not found: {run_dir}")
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ConfigError(f"{run_dir} has no config.yaml (is it a meshforge run directory?)")
-    cfg = load_config(config)
+    return config
+
+
+def run_tokenizer(run_dir: Path, tokenizer_file: Path | None = None) -> Tokenizer:
+    """The tokenizer of a run: ``tokenizer_file`` when given, else the one recorded in
+    the index of its ``data.source`` (a URL source: its local cache copy, no download),
+    else bytes when the model has no more than 256 ids (a source moved away since)."""
+    from meshforge.config import load_config
+    from meshforge.data.corpus import BUILTIN_PREFIX, is_url, remote_cache_path
+    from meshforge.data.shards import INDEX_NAME, read_index
+    from meshforge.data.tokenizer import (
+        VOCAB_SIZE,
+        ByteTokenizer,
+        load_tokenizer_file,
+        tokenizer_from_index,
+    )
+
+    if tokenizer_file is not None:
+        return load_tokenizer_file(tokenizer_file)
+    cfg = load_config(_run_config(run_dir))
+    source = cfg.data.source
+    if source.startswith(BUILTIN_PREFIX):
+        return ByteTokenizer()
+    if is_url(source):
+        directory = remote_cache_path(source, cfg.data.cache_dir)
+    else:
+        directory = Path(source).expanduser()
+    if (directory / INDEX_NAME).is_file():
+        index = read_index(directory, context=f"data.source {source}")
+        return tokenizer_from_index(index["tokenizer"], directory)
+    if cfg.model.vocab_size <= VOCAB_SIZE:  # no BPE fits in 256 ids: bytes it was
+        return ByteTokenizer()
+    raise ConfigError(
+        f"data.source {source} of {run_dir}/config.yaml has no {INDEX_NAME} here "
+        "(not a local shard directory), so its tokenizer is unknown; "
+        "pass --tokenizer PATH/tokenizer.json"
+    )
+
+
+def load_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
+    """(GPT on CPU with the checkpoint's weights, the step it was saved at)."""
+    from meshforge.config import load_config
+
+    cfg = load_config(_run_config(run_dir))
     found_step, path = _checkpoint_dir(run_dir, step)
 
     from meshforge.models.gpt import GPT  # after the checks: bad input answers fast
@@ -82,20 +128,32 @@ def sample(
     step: Annotated[
         int | None, typer.Option("--step", min=0, help="Checkpoint step (default: newest).")
     ] = None,
+    tokenizer_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokenizer",
+            help="A tokenizer.json to use instead of the one recorded with data.source.",
+        ),
+    ] = None,
 ) -> None:
     """Generate text from the newest valid checkpoint of a run (any layout)."""
     if not prompt:
         raise ConfigError("--prompt must not be empty")
+    tokenizer = run_tokenizer(run_dir, tokenizer_file)  # before the model: bad input answers fast
     model, _ = load_model(run_dir, step)
 
     import torch
 
-    from meshforge.data.tokenizer import VOCAB_SIZE, decode, encode
-
     torch.manual_seed(seed)
-    idx = torch.from_numpy(encode(prompt).astype("int64")).unsqueeze(0)
-    if int(idx.max()) >= model.cfg.vocab_size:
-        raise ConfigError(f"the prompt has bytes outside model.vocab_size={model.cfg.vocab_size}")
+    ids = tokenizer.encode(prompt)
+    if not len(ids):
+        raise ConfigError("--prompt encodes to no tokens")
+    if int(ids.max()) >= model.cfg.vocab_size:
+        raise ConfigError(
+            f"the prompt has token ids outside model.vocab_size={model.cfg.vocab_size} "
+            f"(the {tokenizer.kind} tokenizer has {tokenizer.vocab_size})"
+        )
+    idx = torch.from_numpy(ids.astype("int64")).unsqueeze(0)
     out = model.generate(idx, tokens, temperature=temperature, top_k=top_k)[0].tolist()
-    # A model with a larger vocabulary than the byte tokenizer may emit ids it never saw.
-    print(decode([t for t in out if t < VOCAB_SIZE]))
+    # A model with a larger vocabulary than its tokenizer may emit ids it never saw.
+    print(tokenizer.decode([t for t in out if t < tokenizer.vocab_size]))

@@ -1,6 +1,6 @@
-"""Token sources for training: the built-in corpus and token-shard directories.
+"""Token sources for training: the built-in corpus, token shards, ``.bin`` token files, URLs.
 
-``load_tokens(source, val_fraction)`` is what the trainer calls. ``source`` is
+``load_tokens(source, val_fraction, ...)`` is what the trainer calls. ``source`` is
 
 - ``builtin:python-stdlib``: the running Python's standard-library ``.py``
   files (no download). Test suites, IDLE, turtledemo, lib2to3, site-packages,
@@ -12,6 +12,29 @@
   the Python version and a hash of the file list and sizes, and written
   atomically so that concurrent worker processes can build it at once.
 - a path to a directory made by ``meshforge data prepare`` (token shards).
+- a nanoGPT-style ``.bin`` file: raw little-endian ``uint16`` token ids, mapped
+  as they are (``np.memmap``, no copy, no index). Its vocabulary is the model's
+  (``vocab_size``); files up to ``BIN_SCAN_TOKENS`` tokens are checked for ids
+  beyond it. A directory holding ``train.bin`` (and ``val.bin``) without an
+  ``index.json`` uses them as the training and validation splits
+  (``val_fraction`` then applies only when there is no ``val.bin``).
+- an fsspec URL (``s3://bucket/shards``, ``gs://...``, ``file://...``, any
+  protocol fsspec knows) of a shard directory, a ``.bin`` file or a
+  ``train.bin``/``val.bin`` directory: its files are copied once into
+  ``cache_dir`` (default ``$MESHFORGE_CACHE/remote``) and then read like local
+  ones. ``fsspec`` and the protocol's backend (``s3fs``, ``gcsfs``, ...) are the
+  user's to install; without them the error names the pip package. Nothing is
+  imported or contacted for any other kind of source.
+
+Shared storage. Reading takes no lock and writes nothing beside the data: shard
+and ``.bin`` files are opened read-only and memory-mapped, so any number of ranks
+on any number of nodes can read one directory on NFS, Lustre, GPFS or a FUSE
+mount at once, with no coordination. The only writes are to caches (the built-in
+corpus and the URL copies), and every one goes to a unique temporary name that is
+then renamed over the final one (atomic on POSIX): ranks of a node filling the
+same cache at once may copy a file twice, but never leave or read a torn one. A
+cached copy is reused while its size and the remote's version tag (ETag, mtime)
+match; shards are checked against their sha256 in the index as they arrive.
 
 Train/validation split (deterministic, no shuffling): of N tokens the last
 ``floor(N * val_fraction)`` are validation and the ones before them training.
@@ -20,17 +43,22 @@ Train/validation split (deterministic, no shuffling): of N tokens the last
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import posixpath
+import re
+import socket
 import sys
 import sysconfig
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshforge.data.shards import ShardedTokens, load_shards
+from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards
 from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, TOKEN_DTYPE, VOCAB_SIZE, encode_bytes
 from meshforge.errors import DataError
 
@@ -39,6 +67,29 @@ STDLIB_CORPUS = "builtin:python-stdlib"
 BUILTIN_SOURCES = (STDLIB_CORPUS,)
 STDLIB_CORPUS_MAX_TOKENS = 8 * 2**20
 _CORPUS_VERSION = 1  # bump when the selection or layout of the corpus changes
+
+BIN_DTYPE = np.dtype("<u2")  # nanoGPT's train.bin / val.bin: raw little-endian uint16 ids
+BIN_SPLITS = ("train.bin", "val.bin")
+BIN_SCAN_TOKENS = 2**27  # .bin files up to this many tokens are checked for ids >= vocab_size
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.:-]*://")
+_COPY_CHUNK_BYTES = 8 * 2**20
+# fsspec protocols and the pip package that brings each one's backend
+_BACKENDS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "http": "aiohttp",
+    "https": "aiohttp",
+    "hf": "huggingface_hub",
+    "sftp": "paramiko",
+    "ssh": "paramiko",
+    "oci": "ocifs",
+}
 
 # Directories of the stdlib that are not library source worth learning from, or
 # that are not the standard library at all.
@@ -183,55 +234,309 @@ def split_tokens(tokens: Tokens, val_fraction: float) -> tuple[Tokens, Tokens]:
     return tokens[:n_train], tokens[n_train:]
 
 
-def _resolve(source: str) -> Path | None:
-    """None for the built-in corpus, else the shard directory; DataError if neither."""
+def is_url(source: str) -> bool:
+    """Whether ``data.source`` is an fsspec URL (``s3://...``, ``file://...``)."""
+    return bool(_URL.match(source))
+
+
+@dataclass(frozen=True)
+class _Local:
+    """What a source is on this machine: ``kind`` builtin | shards | bin | bin_dir."""
+
+    kind: str
+    path: Path | None = None
+
+
+def _classify(path: Path, source: str) -> _Local:
+    if not path.exists():
+        what = "file" if path.suffix == ".bin" else "directory"
+        raise DataError(f"data.source {source}: no such {what}")
+    if path.is_dir():
+        if not (path / INDEX_NAME).exists() and (path / BIN_SPLITS[0]).is_file():
+            return _Local("bin_dir", path)
+        return _Local("shards", path)
+    if path.suffix == ".bin":
+        return _Local("bin", path)
+    raise DataError(
+        f"data.source {source}: not a directory of token shards nor a .bin token file "
+        "(make shards with `meshforge data prepare SRC OUT`)"
+    )
+
+
+def _resolve(source: str, cache_dir: str | os.PathLike[str] | None = None) -> _Local:
+    """The local form of ``source`` (a URL is fetched into the cache); DataError if none."""
     if source.startswith(BUILTIN_PREFIX):
         if source != STDLIB_CORPUS:
             known = ", ".join(BUILTIN_SOURCES)
             raise DataError(f"data.source {source!r}: unknown built-in corpus (known: {known})")
-        return None
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"data.source {source}: no such directory")
-    if not path.is_dir():
+        return _Local("builtin")
+    if is_url(source):
+        return _classify(fetch_remote(source, cache_dir), source)
+    return _classify(Path(source).expanduser(), source)
+
+
+# --------------------------------------------------------------------------- .bin token files
+
+
+def _open_bin(path: Path, source: str) -> np.ndarray:
+    """A ``.bin`` file as a read-only ``uint16`` memmap."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DataError(f"data.source {source}: cannot read {path} ({exc.strerror})") from None
+    if size == 0:
+        raise DataError(f"data.source {source}: {path} is empty")
+    if size % BIN_DTYPE.itemsize:
         raise DataError(
-            f"data.source {source}: not a directory of token shards "
-            "(make one with `meshforge data prepare SRC OUT`)"
+            f"data.source {source}: {path} has {size} bytes, not a whole number of "
+            "uint16 tokens (a .bin file holds raw little-endian uint16 token ids)"
         )
-    return path
+    return np.memmap(path, dtype=BIN_DTYPE, mode="r", shape=(size // BIN_DTYPE.itemsize,))
+
+
+def _bin_vocab(files: list[tuple[Path, np.ndarray]], vocab_size: int | None, source: str) -> int:
+    """The vocabulary of ``.bin`` tokens: the model's ``vocab_size`` (checked against the
+    largest id when the files are small enough to scan), else the largest id + 1."""
+    if sum(len(a) for _, a in files) > BIN_SCAN_TOKENS:
+        return vocab_size or 2**16  # too large to scan at every start: trust the model
+    highest = [(int(a.max()), path) for path, a in files]
+    top, where = max(highest)
+    if vocab_size is not None and top >= vocab_size:
+        raise DataError(
+            f"data.source {source}: {where} holds token id {top}, beyond "
+            f"model.vocab_size={vocab_size}"
+        )
+    return vocab_size or top + 1
+
+
+# --------------------------------------------------------------------------- URLs (fsspec)
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path) of ``url``; a missing fsspec or backend names its package."""
+    protocol = url.split("://", 1)[0].rsplit("::", 1)[-1].lower()
+    package = _BACKENDS.get(protocol)
+    try:
+        import fsspec
+    except ImportError:
+        extra = f" {package}" if package else ""
+        raise DataError(
+            f"data.source {url}: a URL source needs fsspec (pip install fsspec{extra})"
+        ) from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        hint = f"pip install {package}" if package else str(exc).splitlines()[0]
+        raise DataError(
+            f"data.source {url}: fsspec's {protocol}:// backend is not installed ({hint})"
+        ) from None
+    except ValueError as exc:
+        raise DataError(f"data.source {url}: {str(exc).splitlines()[0]}") from None
+
+
+def remote_cache_path(url: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """Where the files of ``url`` are copied: ``cache_root`` (``data.cache_dir``; default
+    ``$MESHFORGE_CACHE/remote``) / its last path component + a hash of the URL."""
+    root = Path(cache_root).expanduser() if cache_root else cache_dir() / "remote"
+    tail = url.rstrip("/").rsplit("/", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:40] or "root"
+    return root / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+def _version_tag(info: dict[str, Any]) -> str | None:
+    """What tells two versions of a remote file apart, as far as its backend says."""
+    for key in ("ETag", "etag", "md5Hash", "LastModified", "updated", "mtime", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return None
+
+
+def _sidecar(local: Path) -> Path:
+    return local.with_name(f".{local.name}.remote.json")
+
+
+def _is_cached(local: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        if stamp["size"] is not None and local.stat().st_size != stamp["size"]:
+            return False
+        return json.loads(_sidecar(local).read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _fetch_file(fs: Any, info: dict[str, Any], local: Path, sha256: str | None, url: str) -> None:
+    """Copy one remote file to ``local`` unless the cached copy is that version. The
+    bytes go to a name unique to this host, process and thread and are renamed into
+    place (atomic), so concurrent ranks never see a half-written file."""
+    stamp = {"size": info.get("size"), "tag": _version_tag(info), "sha256": sha256}
+    if _is_cached(local, stamp):
+        return
+    unique = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+    tmp = local.with_name(f".{local.name}.{unique}.tmp")
+    digest = hashlib.sha256()
+    try:
+        with fs.open(info["name"], "rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(_COPY_CHUNK_BYTES):
+                digest.update(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise DataError(
+                f"data.source {url}: {local.name} does not match its sha256 in {INDEX_NAME}"
+            )
+        os.replace(tmp, local)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _write_atomic(_sidecar(local), json.dumps(stamp).encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    unique = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+    tmp = path.with_name(f".{path.name}.{unique}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _index_files(index: Any, url: str) -> dict[str, str | None]:
+    """{file name: sha256 or None} of the files a shard index needs beside it."""
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if not isinstance(shards, list) or not shards:
+        raise DataError(f"data.source {url}: its {INDEX_NAME} lists no shards")
+    files: dict[str, str | None] = {}
+    entries = list(shards)
+    tokenizer = index.get("tokenizer")
+    if isinstance(tokenizer, dict) and "file" in tokenizer:
+        entries.append(tokenizer)
+    for entry in entries:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        # a plain file name: an index must not write outside the cache directory
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise DataError(f"data.source {url}: {INDEX_NAME} has a malformed entry {entry!r}")
+        sha = entry.get("sha256")
+        files[name] = sha if isinstance(sha, str) and sha else None
+    return files
+
+
+def fetch_remote(url: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """Copy the shard directory, ``.bin`` file or ``train.bin``/``val.bin`` directory at
+    ``url`` into the cache (only the files missing or changed there) and return its local
+    path. A shard index is written last, so a cached index never lists a missing file."""
+    fs, root = _filesystem(url)
+    dest = remote_cache_path(url, cache_root)
+    try:
+        info = fs.info(root)
+        dest.mkdir(parents=True, exist_ok=True)
+        if info.get("type") != "directory":
+            if not root.endswith(".bin"):
+                raise DataError(
+                    f"data.source {url}: not a directory of token shards nor a .bin token file"
+                )
+            local = dest / posixpath.basename(root)
+            _fetch_file(fs, info, local, None, url)
+            return local
+        listing = {posixpath.basename(e["name"].rstrip("/")): e for e in fs.ls(root, detail=True)}
+        index_bytes = None
+        if INDEX_NAME in listing:
+            index_bytes = fs.cat_file(listing[INDEX_NAME]["name"])
+            try:
+                wanted = _index_files(json.loads(index_bytes), url)
+            except (ValueError, UnicodeDecodeError):
+                raise DataError(f"data.source {url}: its {INDEX_NAME} is not valid JSON") from None
+        elif BIN_SPLITS[0] in listing:
+            wanted = {name: None for name in BIN_SPLITS if name in listing}
+        else:
+            raise DataError(f"data.source {url}: neither {INDEX_NAME} nor {BIN_SPLITS[0]} in it")
+        names = sorted(wanted)
+        turn = int(os.environ.get("LOCAL_RANK", "0") or 0) % len(names)
+        for name in names[turn:] + names[:turn]:  # ranks of a node start on different files
+            if name not in listing:
+                raise DataError(f"data.source {url}: {name} is listed in {INDEX_NAME} but missing")
+            _fetch_file(fs, listing[name], dest / name, wanted[name], url)
+        if index_bytes is not None:
+            index_path = dest / INDEX_NAME
+            if not index_path.is_file() or index_path.read_bytes() != index_bytes:
+                _write_atomic(index_path, index_bytes)
+    except FileNotFoundError:
+        raise DataError(f"data.source {url}: no such file or directory") from None
+    except OSError as exc:
+        detail = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"data.source {url}: {detail}") from None
+    return dest
+
+
+# --------------------------------------------------------------------------- loading
 
 
 def check_source(source: str) -> None:
     """Cheap up-front check of ``data.source`` (for the launcher): the name of a
-    built-in corpus, or a shard directory whose index and file sizes agree."""
-    path = _resolve(source)
-    if path is not None:
-        load_shards(path, context=f"data.source {source}")
+    built-in corpus, a shard directory whose index and file sizes agree, a ``.bin``
+    file (or ``train.bin``/``val.bin`` directory) of whole uint16 tokens, or a URL
+    whose fsspec backend is installed (nothing is read from it here)."""
+    if is_url(source):
+        _filesystem(source)
+        return
+    local = _resolve(source)
+    if local.kind == "shards":
+        load_shards(local.path, context=f"data.source {source}")  # type: ignore[arg-type]
+    elif local.kind == "bin":
+        _open_bin(local.path, source)  # type: ignore[arg-type]
+    elif local.kind == "bin_dir":
+        for name in BIN_SPLITS:
+            if (local.path / name).exists():  # type: ignore[operator]
+                _open_bin(local.path / name, source)  # type: ignore[operator]
 
 
-def load_tokens(source: str, val_fraction: float = 0.05, seq_len: int | None = None) -> TokenSplits:
-    """Load ``source`` (``builtin:python-stdlib`` or a shard directory) and split it.
+def load_tokens(
+    source: str,
+    val_fraction: float = 0.05,
+    seq_len: int | None = None,
+    *,
+    vocab_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> TokenSplits:
+    """Load ``source`` (see the module docstring) and split it.
 
-    With ``seq_len``, also checks that the training split (and a non-empty
-    validation split) holds at least one sequence of ``seq_len + 1`` tokens, so
-    that a too-short source fails before training rather than at the first eval.
-    Every problem is a DataError naming ``data.source`` (and ``model.seq_len``
-    where it is the cause).
+    ``vocab_size`` is the model's (``model.vocab_size``): the vocabulary of ``.bin``
+    tokens, which carry none of their own. ``cache_dir`` is where a URL source is
+    copied (``data.cache_dir``). With ``seq_len``, also checks that the training
+    split (and a non-empty validation split) holds at least one sequence of
+    ``seq_len + 1`` tokens, so that a too-short source fails before training rather
+    than at the first eval. Every problem is a DataError naming ``data.source`` (and
+    ``model.seq_len`` where it is the cause).
     """
-    path = _resolve(source)
-    if path is None:
-        tokens: Tokens = stdlib_tokens()
+    local = _resolve(source, cache_dir)
+    val_name = f"data.val_fraction={val_fraction}"
+    if local.kind == "builtin":
+        train, val = split_tokens(stdlib_tokens(), val_fraction)
+        vocab = VOCAB_SIZE
+    elif local.kind == "shards":
+        tokens = load_shards(local.path, context=f"data.source {source}")  # type: ignore[arg-type]
+        train, val = split_tokens(tokens, val_fraction)
+        vocab = getattr(tokens, "vocab_size", VOCAB_SIZE)
     else:
-        tokens = load_shards(path, context=f"data.source {source}")
-    train, val = split_tokens(tokens, val_fraction)
+        directory = local.path if local.kind == "bin_dir" else None
+        files = [local.path if directory is None else directory / BIN_SPLITS[0]]
+        if directory is not None and (directory / BIN_SPLITS[1]).exists():
+            files.append(directory / BIN_SPLITS[1])
+        arrays = [(path, _open_bin(path, source)) for path in files]  # type: ignore[arg-type]
+        vocab = _bin_vocab(arrays, vocab_size, source)  # type: ignore[arg-type]
+        if len(arrays) == 2:
+            train, val = arrays[0][1], arrays[1][1]
+            val_name = BIN_SPLITS[1]
+        else:
+            train, val = split_tokens(arrays[0][1], val_fraction)
     if seq_len is not None and len(train) < seq_len + 1:
         raise DataError(
             f"data.source {source}: the training split has {len(train)} tokens, fewer than "
             f"model.seq_len + 1 = {seq_len + 1}"
         )
-    if seq_len is not None and val_fraction > 0 and len(val) < seq_len + 1:
+    if seq_len is not None and (val_fraction > 0 or len(val)) and len(val) < seq_len + 1:
         raise DataError(
-            f"data.source {source}: the validation split (data.val_fraction={val_fraction}) "
+            f"data.source {source}: the validation split ({val_name}) "
             f"has {len(val)} tokens, fewer than model.seq_len + 1 = {seq_len + 1}"
         )
-    return TokenSplits(train=train, val=val, vocab_size=VOCAB_SIZE, source=source)
+    return TokenSplits(train=train, val=val, vocab_size=vocab, source=source)

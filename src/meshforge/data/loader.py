@@ -11,13 +11,27 @@ resumed run starts at step k without replaying anything.
 Data-parallel rank r of D takes the contiguous sequences
 ``[r * B / D, (r + 1) * B / D)`` of that global batch and splits them into
 micro-batches of ``micro_batch`` consecutive sequences (gradient accumulation).
+
+Throughput. ``prefetch`` steps are prepared ahead by one thread; within a step,
+``readers`` threads gather the rank's sequences, reader j taking the j-th of
+``readers`` contiguous chunks of them, concatenated in order, so the batches are
+the same whatever the number of readers. Reading is from memory maps: page faults
+on cold storage block only the reader that takes them (numpy copies release the
+GIL). Nothing here writes or locks a file: every rank reads on its own.
+
+Test-only hook: ``MESHFORGE_DATA_DELAY_S=SECONDS[:DP_RANK]`` makes every reader
+sleep SECONDS per sequence it reads (on data-parallel rank DP_RANK only, when
+given): a slow storage system, for the data-wait tests. Never set it otherwise.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -27,7 +41,9 @@ import torch
 from meshforge.errors import ConfigError, DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), int64 [micro_batch, seq_len]
+Gather = Callable[[object, np.ndarray, int], np.ndarray]  # (tokens, offsets, length) -> rows
 _VAL_STREAM = 0x76616C  # "val": keeps validation draws apart from any training step's
+DELAY_ENV = "MESHFORGE_DATA_DELAY_S"  # test-only: a slow reader (module docstring)
 
 
 def _check_seed(seed: int) -> None:
@@ -61,6 +77,45 @@ def gather_sequences(tokens: object, offsets: np.ndarray, length: int) -> np.nda
     return np.array(np.stack(rows), dtype=np.int64)
 
 
+def read_delay_s(dp_rank: int) -> float:
+    """Seconds each sequence read sleeps on this rank (``MESHFORGE_DATA_DELAY_S``; test-only)."""
+    spec = os.environ.get(DELAY_ENV, "").strip()
+    if not spec:
+        return 0.0
+    seconds, _, rank = spec.partition(":")
+    if rank and int(rank) != dp_rank:
+        return 0.0
+    return max(float(seconds), 0.0)
+
+
+class ParallelGather:
+    """``gather_sequences`` split over ``readers`` threads: reader j gathers the j-th of
+    ``readers`` contiguous chunks of the offsets; the rows come back in order."""
+
+    def __init__(self, readers: int, delay_s: float = 0.0, name: str = "meshforge-read") -> None:
+        if readers < 1:
+            raise ConfigError(f"data.readers must be >= 1, got {readers}")
+        self.readers = readers
+        self.delay_s = delay_s
+        self._pool = ThreadPoolExecutor(readers, thread_name_prefix=name) if readers > 1 else None
+
+    def _read(self, tokens: object, offsets: np.ndarray, length: int) -> np.ndarray:
+        if self.delay_s:
+            time.sleep(self.delay_s * len(offsets))
+        return gather_sequences(tokens, offsets, length)
+
+    def __call__(self, tokens: object, offsets: np.ndarray, length: int) -> np.ndarray:
+        if self._pool is None or len(offsets) < 2:
+            return self._read(tokens, offsets, length)
+        chunks = np.array_split(offsets, min(self.readers, len(offsets)))
+        parts = self._pool.map(lambda chunk: self._read(tokens, chunk, length), chunks)
+        return np.concatenate(list(parts))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def rank_slice(batch_size: int, dp_rank: int, dp_size: int) -> slice:
     """The sequences of a batch that data-parallel rank ``dp_rank`` of ``dp_size`` takes."""
     if not 0 <= dp_rank < dp_size:
@@ -90,11 +145,13 @@ def rank_micro_batches(
     seed: int,
     step: int,
     pin_memory: bool = False,
+    gather: Gather = gather_sequences,
 ) -> list[Batch]:
-    """This rank's micro-batches of step ``step`` (the pure function behind the loader)."""
+    """This rank's micro-batches of step ``step`` (the pure function behind the loader;
+    ``gather`` reads the rows, e.g. a :class:`ParallelGather`)."""
     offsets = global_batch_offsets(seed, step, len(tokens), seq_len, global_batch)  # type: ignore[arg-type]
     mine = offsets[rank_slice(global_batch, dp_rank, dp_size)]
-    rows = gather_sequences(tokens, mine, seq_len + 1)
+    rows = gather(tokens, mine, seq_len + 1)
     return [
         _to_batch(rows[i : i + micro_batch], pin_memory) for i in range(0, len(rows), micro_batch)
     ]
@@ -117,10 +174,12 @@ class DistributedBatchLoader:
     """Iterator of :class:`StepBatch` for one data-parallel rank, from ``start_step`` on.
 
     With ``prefetch > 0`` a daemon thread prepares up to ``prefetch`` steps ahead
-    in a bounded queue; an exception there is re-raised by ``next()``. The
-    batches are the same with or without prefetching. ``last_wait_s`` is how long
-    the last ``next()`` waited for its batch, ``total_wait_s`` the sum; that is
-    the data-wait time of the step-time breakdown. Use ``close()`` or ``with``.
+    in a bounded queue; an exception there is re-raised by ``next()``. ``readers``
+    threads gather each step's sequences. The batches are the same whatever the
+    prefetch depth and the number of readers. ``last_wait_s`` is how long the last
+    ``next()`` waited for its batch, ``total_wait_s`` the sum; that is the
+    data-wait time of the step-time breakdown (its share of the wall time is the
+    data-wait fraction). Use ``close()`` or ``with``.
     """
 
     def __init__(
@@ -135,6 +194,7 @@ class DistributedBatchLoader:
         start_step: int = 0,
         prefetch: int = 2,
         pin_memory: bool = False,
+        readers: int = 1,
     ) -> None:
         per_rank = global_batch // dp_size
         if global_batch % dp_size or per_rank % micro_batch:
@@ -151,6 +211,7 @@ class DistributedBatchLoader:
         if start_step < 0 or prefetch < 0:
             raise ValueError("start_step and prefetch must be >= 0")
         _check_seed(seed)
+        self._gather = ParallelGather(readers, read_delay_s(dp_rank), f"meshforge-read-dp{dp_rank}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -193,8 +254,13 @@ class DistributedBatchLoader:
             seed=self.seed,
             step=step,
             pin_memory=self.pin_memory,
+            gather=self._gather,
         )
         return StepBatch(step=step, micro_batches=micro)
+
+    @property
+    def readers(self) -> int:
+        return self._gather.readers
 
     def _put(self, item: StepBatch | _Failure) -> bool:
         while not self._stop.is_set():
@@ -232,7 +298,7 @@ class DistributedBatchLoader:
         return item
 
     def close(self) -> None:
-        """Stop the prefetch thread and drop prepared batches; idempotent."""
+        """Stop the prefetch thread and the readers, drop prepared batches; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -244,6 +310,7 @@ class DistributedBatchLoader:
                 except queue.Empty:
                     break
             self._thread.join(timeout=10.0)
+        self._gather.close()
 
     def __enter__(self) -> DistributedBatchLoader:
         return self

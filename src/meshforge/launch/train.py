@@ -22,7 +22,24 @@ from meshforge.plan.auto import resolve_parallel_auto
 def validate_job(cfg: JobConfig, world_size: int) -> None:
     cfg.check_trainable()
     cfg.dims(world_size)
+    check_data(cfg)
+
+
+def check_data(cfg: JobConfig) -> None:
+    """data.source can be read, and the model has an id for every token in it (a shard
+    directory's index says how many its tokenizer has; no shard is opened)."""
     check_source(cfg.data.source)
+    path = Path(cfg.data.source).expanduser()
+    if not (path / "index.json").is_file():
+        return
+    from meshforge.data.shards import read_index
+
+    vocab = read_index(path, f"data.source {cfg.data.source}").get("vocab_size")
+    if isinstance(vocab, int) and vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the "
+            f"tokenizer of data.source {cfg.data.source} ({vocab})"
+        )
 
 
 def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
@@ -44,7 +61,7 @@ def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
 
 
 def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
-    check_source(cfg.data.source)
+    check_data(cfg)
     check_worlds(cfg, worlds)
 
 

@@ -84,6 +84,7 @@ def build_report(
         "step_time_s": _median([r["step_time_s"] for r in steady]),
         "time_breakdown": time_breakdown(steady),
         "data_wait_s": data_wait_s,
+        "data_wait_fraction": _median([r.get("data_wait_fraction") for r in steady]),
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "memory_health": {

@@ -71,7 +71,14 @@ class Trainer:
         t = cfg.train
 
         torch.manual_seed(t.seed)  # identical random streams (dropout) on every rank
-        self.splits = load_tokens(cfg.data.source, cfg.data.val_fraction, seq_len=cfg.model.seq_len)
+        d = cfg.data
+        self.splits = load_tokens(
+            d.source,
+            d.val_fraction,
+            seq_len=cfg.model.seq_len,
+            vocab_size=cfg.model.vocab_size,
+            cache_dir=d.cache_dir,
+        )
         if self.splits.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
@@ -283,6 +290,7 @@ class Trainer:
                 t.seed,
                 start,
                 c.data.prefetch,
+                readers=c.data.readers,
             )
         rows: list[dict[str, Any]] = []
         pipeline_times: list[tuple[float, float]] = []  # (busy, wall) of steady steps
@@ -300,6 +308,7 @@ class Trainer:
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
             interval_t0, interval_steps = time.perf_counter(), 0
+            wait0, slow_data_warned = loader.total_wait_s, False
             marks = _comm_marks()
             fl, first_interval = self.flight, True
             slow = faults.slow_factor(rt.rank)
@@ -367,6 +376,19 @@ class Trainer:
                         ref_compute_s,
                     )  # fmt: skip
                     row.update(comm)
+                    # the share of the interval's wall time spent waiting for batches
+                    wait = loader.total_wait_s - wait0
+                    row["data_wait_fraction"] = wait / max(now - interval_t0, 1e-9)
+                    wait0 = loader.total_wait_s
+                    share = row["data_wait_fraction"]
+                    if steady and share > c.data.wait_warning and not slow_data_warned:
+                        slow_data_warned = True
+                        self._warn(
+                            f"waiting for data: {share:.0%} of the step time "
+                            f"(data.wait_warning {c.data.wait_warning:.0%}) reading "
+                            f"{c.data.source}; more data.readers or data.prefetch, or "
+                            "faster storage (meshforge bench io)"
+                        )
                     if steady:
                         self.comm_samples[-1]["step_s"] = (now - interval_t0) / interval_steps
                     interval_t0, interval_steps = now, 0
