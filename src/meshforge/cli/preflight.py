@@ -73,6 +73,22 @@ def _parser(with_launch_flags: bool) -> argparse.ArgumentParser:
         help="Seconds to wait for the other nodes to join and for each collective. Default 120.",
     )
     parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Training data (a shard directory on the nodes' shared storage): each node "
+        "reads it for a second as the loader does.",
+    )
+    parser.add_argument(
+        "--data-run",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="With --data: a previous run of the job, whose tokens/s per device says what "
+        "each node must read (FAIL under it, WARN under 2x).",
+    )
+    parser.add_argument(
         "--worker",
         action="store_true",
         help="Run the checks in this process only (under torchrun, srun or mpirun).",
@@ -99,7 +115,18 @@ def _options(own: argparse.Namespace):
         raise ConfigError(f"{PROG}: --bandwidth-mb {own.bandwidth_mb:g} must be >= 0")
     if not own.timeout > 0:
         raise ConfigError(f"{PROG}: --timeout {own.timeout:g} must be > 0")
-    return PreflightOptions(own.run_dir, own.port, own.bandwidth_mb, own.timeout)
+    per_device = None
+    if own.data_run is not None:
+        if own.data is None:
+            raise ConfigError(f"{PROG}: --data-run needs --data PATH (the data to read)")
+        from meshforge.bench.io import need_from_run
+
+        per_device = need_from_run(own.data_run, 2).tokens_per_s_per_device
+    if own.data is not None and not own.data.exists():
+        raise ConfigError(f"{PROG}: --data {own.data}: no such file or directory")
+    return PreflightOptions(
+        own.run_dir, own.port, own.bandwidth_mb, own.timeout, own.data, own.data_run, per_device
+    )
 
 
 def _launch_args(rest: list[str]):
@@ -180,6 +207,8 @@ def _launch(options, launch, as_json: bool) -> int:
         *("preflight", "--worker", "--launched", "--run-dir", str(options.run_dir)),
         *("--bandwidth-mb", str(options.bandwidth_mb), "--timeout", str(options.timeout_s)),
         *(("--port", str(options.port)) if options.port else ()),
+        *(("--data", str(options.data.resolve())) if options.data else ()),
+        *(("--data-run", str(options.data_run.resolve())) if options.data_run else ()),
     ]
     config, cmd, cmd_args = launch_config(launch, worker_args, options.run_dir / "logs" / "elastic")
     if config.rdzv_backend == "c10d":

@@ -58,6 +58,11 @@ class PreflightOptions:
     port: int | None = None
     bandwidth_mb: float = 64.0
     timeout_s: float = 120.0
+    # the training data: each node reads it for a second (bench io), and with a job's
+    # tokens/s per device (a previous run's) says whether the storage keeps up
+    data: Path | None = None
+    data_run: Path | None = None
+    data_tokens_per_s_per_device: float | None = None
 
 
 def overall_status(checks: list[Check]) -> str:
@@ -333,7 +338,9 @@ def communication_checks(comm: dict, hosts: dict[int, str]) -> list[Check]:
     return checks
 
 
-def evaluate(reports: list[dict], comm: dict | None = None) -> list[Check]:
+def evaluate(
+    reports: list[dict], comm: dict | None = None, tokens_per_s_per_device: float | None = None
+) -> list[Check]:
     """The checks over every rank's report (and the network tests' results, when given)."""
     hosts = host_labels(reports)
     checks = version_checks(reports, hosts)
@@ -343,9 +350,47 @@ def evaluate(reports: list[dict], comm: dict | None = None) -> list[Check]:
         env_check(reports, hosts),
         disk_check(reports, hosts),
     ]
+    if any("data_read" in (r.get("node") or {}) for r in reports):
+        checks.append(data_check(reports, hosts, tokens_per_s_per_device))
     if comm is not None:
         checks += communication_checks(comm, hosts)
     return checks
+
+
+def data_check(
+    reports: list[dict], hosts: dict[int, str], tokens_per_s_per_device: float | None
+) -> Check:
+    """Each node read the training data (one reader, random order, as the loader reads).
+    With the job's tokens/s per device: what the node's ranks need against what it read
+    (bench/io.py's verdict: 2x or more PASS, 1-2x WARN, under 1x FAIL)."""
+    from meshforge.bench.io import _rate
+
+    nodes = _node_reports(reports)
+    ranks_on = {}
+    for r in reports:
+        ranks_on.setdefault(hosts[r["rank"]], []).append(r["rank"])
+    failed, slow, tight, parts = [], [], [], []
+    for rank, node in nodes.items():
+        probe, host = node["data_read"], hosts[rank]
+        if probe.get("error"):
+            failed.append(rank)
+            parts.append(f"{host}: {probe['error']}")
+            continue
+        rate = probe["bytes_per_s"]
+        text = f"{host} {_rate(rate)}" + (" (from the page cache)" if probe.get("cached") else "")
+        if tokens_per_s_per_device:
+            need = tokens_per_s_per_device * len(ranks_on[host]) * probe["bytes_per_token"]
+            headroom = rate / need if need > 0 else float("inf")
+            text += f", {headroom:,.1f}x the {_rate(need)} its ranks need"
+            (slow if headroom < 1 else tight if headroom < 2 else []).append(rank)
+        parts.append(text)
+    path = next(iter(nodes.values()))["data_read"]["path"]
+    detail = f"{path}: " + "; ".join(parts)
+    if failed or slow:
+        return _blame("data read", FAIL, detail, failed + slow, hosts)
+    if tight:
+        return _blame("data read", WARN, detail + " (under 2x: expect data waits)", tight, hosts)
+    return Check("data read", PASS, detail)
 
 
 def host_labels(reports: list[dict]) -> dict[int, str]:
@@ -399,6 +444,8 @@ def run_checks(options: PreflightOptions) -> dict[str, Any]:
         is_node_reporter = nodes.index(nodes[rt.rank]) == rt.rank
         if is_node_reporter:
             me["node"] = probes.node_report(options.run_dir)
+            if options.data is not None:
+                me["node"]["data_read"] = probes.data_read_probe(options.data)
         probes.inject_version_fault(me)
         reports = gather(me)
         hosts = host_labels(reports)
@@ -422,7 +469,7 @@ def run_checks(options: PreflightOptions) -> dict[str, Any]:
         else:
             comm["allreduce"] = _allreduce_correctness(rt, gather)
             comm["bandwidth"] = _allreduce_bandwidth(rt, options.bandwidth_mb)
-    checks = evaluate(reports, comm)
+    checks = evaluate(reports, comm, options.data_tokens_per_s_per_device)
     doc = {
         "status": overall_status(checks),
         "world_size": len(reports),

@@ -314,6 +314,28 @@ def node_report(run_dir: Path, tool_timeout_s: float = 10.0) -> dict[str, Any]:
     }
 
 
+def data_read_probe(path: Path, seconds: float = 1.0) -> dict[str, Any]:
+    """How fast this node reads the training data at `path`, as the loader does (random
+    order, one reader, its files' page cache dropped first): `meshforge bench io`'s
+    measurement, one row. {path, bytes_per_s, bytes_per_token, cached, error}."""
+    from meshforge.bench.io import IoBenchOptions, run_bench
+    from meshforge.errors import MeshforgeError
+
+    try:
+        options = IoBenchOptions(str(path), readers=(1,), orders=("random",), seconds=seconds)
+        result = run_bench(options)
+    except (MeshforgeError, OSError, ValueError) as exc:
+        return {"path": str(path), "bytes_per_s": None, "error": str(exc)}
+    row = result.rows[0]
+    return {
+        "path": str(path),
+        "bytes_per_s": row.mb_per_s * 1e6,
+        "bytes_per_token": result.data.token_bytes,
+        "cached": bool(row.cached_before and row.cached_before > 0.05),
+        "error": None,
+    }
+
+
 def tcp_connect(host: str, port: int, timeout_s: float) -> dict[str, Any]:
     """Open and close a TCP connection: {ok, connect_s, error}."""
     start = time.perf_counter()
