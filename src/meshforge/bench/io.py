@@ -81,7 +81,8 @@ class IoBenchOptions:
 
     def __post_init__(self) -> None:
         if not self.readers or any(n < 1 for n in self.readers):
-            raise ConfigError(f"--readers {self.readers}: counts must be >= 1")
+            shown = ",".join(str(n) for n in self.readers) or "(none)"
+            raise ConfigError(f"--readers {shown}: counts must be >= 1")
         if self.mode not in MODES:
             raise ConfigError(f"--mode {self.mode}: expected one of {', '.join(MODES)}")
         bad = [o for o in self.orders if o not in ORDERS]

@@ -168,6 +168,9 @@ def inspect_command(
 
     A damaged shard (missing, wrong size, wrong sha256) is named and the exit code is 2.
     """
+    if not directory.is_dir():
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise DataError(f"{directory}: {what}")
     from meshforge.data.inspect import damage_summary, format_report, inspect_shards
 
     with _progress_bar("verifying") as update:

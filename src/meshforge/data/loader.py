@@ -12,7 +12,8 @@ Data-parallel rank r of D takes the contiguous sequences
 ``[r * B / D, (r + 1) * B / D)`` of that global batch and splits them into
 micro-batches of ``micro_batch`` consecutive sequences (gradient accumulation).
 
-Throughput. ``prefetch`` steps are prepared ahead by one thread; within a step,
+Throughput. ``prefetch`` steps are prepared ahead by one thread and handed over
+``prefetch`` at a time (a hand-off per step would cost as much as gathering one); within a step,
 ``readers`` threads gather the rank's sequences, reader j taking the j-th of
 ``readers`` contiguous chunks of them, concatenated in order, so the batches are
 the same whatever the number of readers. Reading is from memory maps: page faults
@@ -26,6 +27,7 @@ given): a slow storage system, for the data-wait tests. Never set it otherwise.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -226,7 +228,10 @@ class DistributedBatchLoader:
         self._next_step = start_step
         self._closed = False
         self._stop = threading.Event()
-        self._queue: queue.Queue[StepBatch | _Failure] = queue.Queue(maxsize=max(prefetch, 1))
+        # the thread hands over `prefetch` steps at a time: one hand-off (two thread
+        # switches under the GIL) per step would cost about as much as gathering a step
+        self._queue: queue.Queue[list[StepBatch] | _Failure] = queue.Queue(maxsize=1)
+        self._ready: collections.deque[StepBatch] = collections.deque()
         self._thread: threading.Thread | None = None
         if prefetch > 0:
             self._thread = threading.Thread(
@@ -273,8 +278,8 @@ class DistributedBatchLoader:
 
     def _produce(self, step: int) -> None:
         try:
-            while self._put(self.batch_at(step)):
-                step += 1
+            while self._put([self.batch_at(s) for s in range(step, step + self.prefetch)]):
+                step += self.prefetch
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(_Failure(exc))
 
@@ -288,7 +293,14 @@ class DistributedBatchLoader:
         if self._thread is None:
             item: StepBatch | _Failure = self.batch_at(self._next_step)
         else:
-            item = self._queue.get()
+            if not self._ready:
+                chunk = self._queue.get()
+                if isinstance(chunk, _Failure):
+                    item = chunk
+                else:
+                    self._ready.extend(chunk)
+            if self._ready:
+                item = self._ready.popleft()
         self.last_wait_s = time.perf_counter() - start
         self.total_wait_s += self.last_wait_s
         if isinstance(item, _Failure):

@@ -450,6 +450,11 @@ def _pieces(
 def _write_json_atomic(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file 0600: give it a plain file's mode (0644 under the usual
+        # umask), as the shards have, so other users of shared storage can read the index
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.config import JobConfig, load_config, save_config
-from meshforge.data.corpus import check_source
+from meshforge.data.corpus import BUILTIN_PREFIX, check_source, load_tokens
 from meshforge.errors import ConfigError
 from meshforge.plan.auto import resolve_parallel_auto
 
@@ -31,6 +31,13 @@ def check_data(cfg: JobConfig) -> None:
     check_source(cfg.data.source)
     path = Path(cfg.data.source).expanduser()
     if not (path / "index.json").is_file():
+        if cfg.data.source.startswith(BUILTIN_PREFIX):
+            return
+        # a .bin file or a URL: its ids are checked against model.vocab_size, and a URL's
+        # shards fetched into the cache, here once rather than by every worker
+        d = cfg.data
+        load_tokens(d.source, d.val_fraction, seq_len=cfg.model.seq_len,
+                    vocab_size=cfg.model.vocab_size, cache_dir=d.cache_dir)  # fmt: skip
         return
     from meshforge.data.shards import read_index
 
