@@ -24,7 +24,6 @@ The collectives are torch.distributed's own; the process group comes from
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -34,25 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.bench.sizes import parse_size as parse_size
 from meshforge.errors import ConfigError
 from meshforge.plan.comm import busbw_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ROOT = 0  # broadcast's source rank
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str, flag: str = "size") -> int:
-    """Bytes from '1024', '1K', '64M', '1G', '256MiB', '8KB' (K, M, G, T are powers of 1024,
-    as in nccl-tests' -b/-e)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ConfigError(f"{flag} {text!r}: expected a size in bytes such as 1024, 1K, 64M or 1G")
-    number, unit = float(match.group(1)), _UNIT[match.group(2).lower()]
-    return int(number * unit)
 
 
 def size_steps(min_bytes: int, max_bytes: int, factor: float) -> list[int]:

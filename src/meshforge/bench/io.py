@@ -42,7 +42,6 @@ import mmap
 import multiprocessing
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from meshforge.bench.sizes import parse_size as parse_size
 from meshforge.errors import ConfigError, DataError
 
 ORDERS = ("sequential", "random")
@@ -122,19 +122,6 @@ class DataFiles:
     @property
     def total_bytes(self) -> int:
         return sum(self.sizes)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, flag: str) -> int:
-    """Bytes from '4096', '64K', '4M', '1G', '256MiB' (powers of 1024). bench comm has the
-    same reader, in a module that imports torch; this one keeps `bench io` free of it."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ConfigError(f"{flag} {text!r}: expected a size in bytes such as 4096, 64K or 4M")
-    unit = 1024 ** " kmgt".index(match.group(2).lower() or " ")
-    return int(float(match.group(1)) * unit)
 
 
 def _shard_files(root: Path) -> tuple[list[Path], int]:
