@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/meshforge train examples/gpt-tiny.yaml --nproc 2 --run-dir runs/demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples scripts

@@ -8,10 +8,10 @@ directly on torch's own APIs:
   fsdp  FSDP2 (fully_shard per block, then the root), torch's defaults: the root
         is not resharded after forward (meshforge zero=3 reshards it too)
   tp    tensor parallel over all ranks: DTensor parallelize_module with
-        ColwiseParallel/RowwiseParallel (meshforge.models.gpt_parallelize's plan,
+        ColwiseParallel/RowwiseParallel (meshforge.models.tensor_parallel's plan,
         the same torch calls), vocabulary-sharded logits into the cross-entropy
         under loss_parallel(); every rank reads the whole global batch
-  pp    one pipeline stage per rank (meshforge.parallel.pipeline.split_gpt for the
+  pp    one pipeline stage per rank (meshforge.parallel.pipeline.split_stage for the
         module surgery only), driven here by torch.distributed.pipelining's
         PipelineStage + Schedule1F1B over global_batch / micro_batch micro-batches;
         untied head, as pipeline parallelism needs
@@ -89,7 +89,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     elif args.strategy == "tp":
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from meshforge.models.gpt_parallelize import apply_tensor_parallel
+        from meshforge.models.tensor_parallel import apply_tensor_parallel
 
         mesh = init_device_mesh("cpu", (world,))
         apply_tensor_parallel(model, mesh, sequence_parallel=False, loss_parallel=True)
@@ -97,9 +97,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        from meshforge.parallel.pipeline import split_gpt
+        from meshforge.parallel.pipeline import split_stage
 
-        model = split_gpt(model, rank, world)  # this rank's blocks (+ embed / head)
+        model = split_stage(model, rank, world)  # this rank's blocks (+ embed / head)
         stage = PipelineStage(model, rank, world, torch.device("cpu"))
 
         def stage_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
 
     from meshforge.config import build_config
     from meshforge.models.gpt import GPT
-    from meshforge.parallel.parallelize import build_gpt
+    from meshforge.parallel.parallelize import build_model_parts
 
     cfg = build_config(raw)
     # warm up on a tiny model: the first build imports modules and makes groups, whose
@@ -154,7 +154,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     tiny = build_config({**raw, "model": {**raw["model"], "d_model": 32, "n_layers": 2,
                                           "n_heads": 2}})  # fmt: skip
     dims = tiny.dims(dist.get_world_size())
-    build_gpt(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
+    build_model_parts(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
     GPT(tiny.model)
     # memory freed by earlier work in this long-lived worker and still held by the heap
     # would be reused silently and hide the growth: hand it back to the kernel first
@@ -177,7 +177,9 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
         model = GPT(cfg.model)
     else:
         dims = cfg.dims(dist.get_world_size())
-        model = build_gpt(cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
+        model = build_model_parts(
+            cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu")
+        )
     peak[0] = max(peak[0], proc.memory_info().rss)
     done.set()
     sampler.join()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -23,24 +24,114 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
+FAMILIES = ("gpt", "llama")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# fields that shape one family only, with the value that means "not given"
+_LLAMA_ONLY = {"n_kv_heads": None, "ffn_hidden": None, "rope_theta": 10000.0, "norm_eps": 1e-5}
+_GPT_ONLY = {"mlp_ratio": 4, "dropout": 0.0}
+_SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, **_LLAMA_ONLY, **_GPT_ONLY}
+
+
 class ModelConfig(_Section):
-    name: Literal["gpt"] = "gpt"
+    """The model: meshforge's GPT (`gpt`), the Llama-style decoder (`llama`), or a
+    user's factory `package.module:function` (called with `kwargs`, returning an
+    nn.Module that maps token ids (b, s) to logits (b, s, vocab_size)). `preset`
+    fills the shape from models/presets.py; fields given beside it win."""
+
+    name: str = "gpt"
+    preset: str | None = None
     vocab_size: int = Field(256, ge=2)
     d_model: int = Field(128, ge=1)
     n_layers: int = Field(4, ge=1)
     n_heads: int = Field(4, ge=1)
     seq_len: int = Field(128, ge=2)
-    mlp_ratio: int = Field(4, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    tie_embeddings: bool = True  # output head shares the token embedding
+    mlp_ratio: int = Field(4, ge=1)  # gpt: MLP width = mlp_ratio x d_model
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # gpt
+    # output head shares the token embedding (default: true for gpt, false otherwise)
+    tie_embeddings: bool = True
+    n_kv_heads: int | None = Field(None, ge=1)  # llama: key/value heads (GQA); n_heads
+    ffn_hidden: int | None = Field(None, ge=1)  # llama: SwiGLU width; 8/3 d_model, x64
+    rope_theta: float = Field(10000.0, gt=0)  # llama: rotary base
+    norm_eps: float = Field(1e-5, gt=0)  # llama: RMSNorm epsilon
+    kwargs: dict[str, Any] | None = None  # a factory's keyword arguments
+    # a factory's tensor-parallel plan: "package.module:function", called as
+    # function(model, tp_mesh) to shard the model in place (parallelize_module)
+    tp_plan: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_and_family_defaults(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        value = dict(value)
+        if value.get("preset") is not None:
+            from meshforge.models.presets import preset
+
+            value = {**preset(str(value["preset"])), **value}
+        if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
+            value["tie_embeddings"] = False  # Llama-style models have a head of their own
+        return value
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
+    def _consistent(self) -> ModelConfig:
+        if self.is_factory:
+            self._check_factory()
+            return self
+        if self.name not in FAMILIES:
+            raise ValueError(
+                f"model.name={self.name!r}: use gpt, llama, or a factory 'package.module:function'"
+            )
+        for key in ("kwargs", "tp_plan"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"model.{key} applies to a factory model.name, not {self.name}")
+        other = _LLAMA_ONLY if self.name == "gpt" else _GPT_ONLY
+        for key, unset in other.items():
+            if getattr(self, key) != unset:
+                owner = "llama" if self.name == "gpt" else "gpt"
+                raise ValueError(f"model.{key} applies to model.name={owner}, not {self.name}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}"
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={self.kv_heads} does not divide model.n_heads={self.n_heads}"
+            )
+        if self.name == "llama" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head size; d_model/n_heads = "
+                f"{self.d_model // self.n_heads}"
+            )
         return self
+
+    def _check_factory(self) -> None:
+        for key, unset in _SHAPE.items():
+            if getattr(self, key) != unset:
+                raise ValueError(
+                    f"model.{key} shapes meshforge's own models; a factory model "
+                    f"({self.name}) takes its shape from model.kwargs"
+                )
+        if self.tp_plan is not None and not _FACTORY.match(self.tp_plan):
+            raise ValueError(f"model.tp_plan={self.tp_plan!r}: expected 'package.module:function'")
+
+    @property
+    def is_factory(self) -> bool:
+        """A user's `package.module:function` rather than one of meshforge's models."""
+        return ":" in self.name and bool(_FACTORY.match(self.name))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's inner width: mlp_ratio x d_model (gpt); ffn_hidden, or Llama's
+        rule 8/3 x d_model rounded up to a multiple of 64 (llama)."""
+        if self.name == "gpt":
+            return self.mlp_ratio * self.d_model
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // 64) * 64
 
 
 class DataConfig(_Section):

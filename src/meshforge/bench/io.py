@@ -509,7 +509,7 @@ def need_from_plan(
     says ``parallel: auto``; a global batch the data-parallel degree does not divide is
     rounded up to one it does (weak scaling, said in the source line)."""
     from meshforge.config import load_config
-    from meshforge.plan.auto import shape_of
+    from meshforge.plan.flops import shape_of
     from meshforge.plan.layout import Training
     from meshforge.plan.request import build_cluster
     from meshforge.plan.search import LayoutChoice, best_layout

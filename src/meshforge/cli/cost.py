@@ -22,6 +22,7 @@ from meshforge.cli.plan import (
     Optimizer,
     Pp,
     Precision,
+    Preset,
     Recompute,
     Seq,
     SequenceParallel,
@@ -48,6 +49,7 @@ def cost_command(
     utilisation: Annotated[
         float | None, typer.Option("--utilisation", help="Override the file's utilisation.")
     ] = None,
+    preset: Preset = None,
     layers: Layers = None,
     hidden: Hidden = None,
     heads: Heads = None,
@@ -93,7 +95,7 @@ def cost_command(
             raise ConfigError(f"{cluster_file}: gpus.kind is needed to plan a run (--tokens)")
         if global_batch is None:
             raise ConfigError("--global-batch is required with --tokens")
-        model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio)
+        model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, preset=preset)
         net = cluster.network
         planned_cluster = build_cluster(
             gpus or cluster.gpus.count, cluster.gpus.kind, cluster.gpus_per_node,

@@ -24,6 +24,14 @@ def _opt(*names: str, help: str, panel: str):
 
 
 # Option types shared with `meshforge cost` (which plans a run from the same flags).
+Preset = Annotated[
+    str | None,
+    _opt(
+        "--model",
+        help="A model preset (gpt2-124m ... llama-8b, llama-70b); shape flags override it.",
+        panel=_MODEL,
+    ),
+]
 Layers = Annotated[int | None, _opt("--layers", help="Transformer layers.", panel=_MODEL)]
 Hidden = Annotated[int | None, _opt("--hidden", help="Hidden size h.", panel=_MODEL)]
 Heads = Annotated[int | None, _opt("--heads", help="Attention heads.", panel=_MODEL)]
@@ -64,6 +72,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.
 
 @app.command("plan")
 def plan_command(
+    preset: Preset = None,
     layers: Layers = None,
     hidden: Hidden = None,
     heads: Heads = None,
@@ -130,7 +139,7 @@ def plan_command(
 
     if attention not in ("sdpa", "eager"):
         raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
-    model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, params)
+    model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, params, preset)
     if global_batch is None and params is None:
         raise ConfigError("--global-batch is required with a model shape")
     choice = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,

@@ -23,6 +23,17 @@ def validate_job(cfg: JobConfig, world_size: int) -> None:
     cfg.check_trainable()
     cfg.dims(world_size)
     check_data(cfg)
+    check_model(cfg)
+
+
+def check_model(cfg: JobConfig) -> None:
+    """A user's factory model is imported and built on the meta device here, once, so
+    that a wrong name or a factory that fails answers before any worker starts."""
+    if not cfg.model.is_factory:
+        return
+    from meshforge.models.registry import check_factory
+
+    check_factory(cfg.model)
 
 
 def check_data(cfg: JobConfig) -> None:
@@ -69,6 +80,7 @@ def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
 
 def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
     check_data(cfg)
+    check_model(cfg)
     check_worlds(cfg, worlds)
 
 

@@ -22,19 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.config import ModelConfig
-from meshforge.plan.flops import GPTShape
-
-
-def shape_of(cfg: ModelConfig) -> GPTShape:
-    return GPTShape(
-        n_layers=cfg.n_layers,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        vocab_size=cfg.vocab_size,
-        seq_len=cfg.seq_len,
-        mlp_ratio=cfg.mlp_ratio,
-        tie_embeddings=cfg.tie_embeddings,
-    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,13 +82,20 @@ class Embeddings(nn.Module):
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
-class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class DecoderLM(nn.Module):
+    """What every decoder-only model here shares (the GPT and the Llama-style model):
+    `embed`, `blocks` keyed by layer index, `ln_f` and `head`, any of which a pipeline
+    stage may drop (forward skips what is absent); the tied head; per-parameter
+    initialisation; sampling."""
+
+    def __init__(
+        self, cfg: ModelConfig, embed: nn.Module, blocks: list[nn.Module], ln_f: nn.Module
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed: Embeddings | None = Embeddings(cfg)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
+        self.embed: nn.Module | None = embed
+        self.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        self.ln_f: nn.Module | None = ln_f
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
         if not any(p.is_meta for p in self.parameters()):
@@ -128,7 +122,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)),
-        LayerNorm weights 1, biases 0.
+        norm weights 1, biases 0.
 
         Each parameter draws from its own generator seeded by (seed, name), so its
         values do not depend on which other parameters this process holds or in which
@@ -154,6 +148,12 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+class GPT(DecoderLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        blocks = [Block(cfg) for _ in range(cfg.n_layers)]
+        super().__init__(cfg, Embeddings(cfg), blocks, nn.LayerNorm(cfg.d_model))
 
 
 def init_value(name: str, shape: tuple[int, ...], n_layers: int, seed: int) -> torch.Tensor:

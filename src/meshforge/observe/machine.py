@@ -7,7 +7,7 @@ workers busy at the same moment). `plan.machine_fit` fits the figures into a
 
 compute     the peak: the cached big-matmul rate of this CPU for the dtype and thread
             count (`observe.peak`), or the GPU's datasheet figure; and the model's own
-            compute at its size: one real `Block` of models/gpt.py and a 0-layer GPT
+            compute at its size: one real block of the job's model and a 0-layer model
             (embeddings, final LayerNorm, head) with the loss, forward and backward at
             the run's micro-batch. Their nn.Linear layers and the block's attention
             are timed alone too, for the record (how far small matmuls fall below peak).
@@ -41,7 +41,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshforge.config import JobConfig, ModelConfig
-from meshforge.models.gpt import GPT, Block, shape_of
+from meshforge.models.gpt import DecoderLM
+from meshforge.models.registry import model_class
 from meshforge.observe.peak import (
     _TORCH_DTYPES,
     _cuda_matmul_dtype,
@@ -50,7 +51,7 @@ from meshforge.observe.peak import (
 )
 from meshforge.plan.auto import HostCosts
 from meshforge.plan.efficiency import matmul_unit_flops
-from meshforge.plan.flops import microbatch_flops
+from meshforge.plan.flops import microbatch_flops, shape_of
 from meshforge.plan.job import param_bytes_per_rank
 from meshforge.plan.machine_fit import (
     ComputeAtSize,
@@ -129,12 +130,14 @@ def peak_matmul_flops(device: torch.device, dtype: str, threads: int) -> tuple[f
 # -- the model's compute at its own size ---------------------------------------------
 
 
-def _model_parts(model: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[Block, GPT]:
-    """(one layer, the rest) of the run's GPT on `device` in `dtype`, in training mode:
-    a `Block`, and a 0-layer GPT (embeddings, final LayerNorm, head)."""
+def _model_parts(
+    model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, DecoderLM]:
+    """(one layer, the rest) of the run's model on `device` in `dtype`, in training
+    mode: a block, and a 0-layer model (embeddings, final norm, head)."""
     with torch.device(device):
-        block = Block(model)
-        ends = GPT(model.model_copy(update={"n_layers": 0}))
+        block = model_class(model)(model.model_copy(update={"n_layers": 1})).blocks["0"]
+        ends = model_class(model)(model.model_copy(update={"n_layers": 0}))
     return block.to(dtype).train(), ends.to(dtype).train()
 
 
@@ -147,13 +150,13 @@ def _grad_pass(forward: Callable, inputs: list, grad_out: Any = None) -> Callabl
     return run
 
 
-def _layer_pass(block: Block, x: torch.Tensor) -> Callable[[], None]:
+def _layer_pass(block: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     """One layer, forward and backward (gradients of its input and weights)."""
     inputs = [x.requires_grad_(), *block.parameters()]
     return _grad_pass(partial(block, x), inputs, torch.randn_like(x))
 
 
-def _ends_pass(ends: GPT, idx: torch.Tensor, targets: torch.Tensor) -> Callable[[], None]:
+def _ends_pass(ends: DecoderLM, idx: torch.Tensor, targets: torch.Tensor) -> Callable[[], None]:
     """Embeddings, head and loss, forward and backward (the trainer's cross-entropy on
     fp32 logits, train/step.py)."""
 
@@ -214,9 +217,9 @@ def measure_model_compute(
 
 
 def _param_shapes(model: ModelConfig) -> list[torch.Size]:
-    """The shapes of the GPT's parameters (built on the meta device: no memory)."""
+    """The shapes of the model's parameters (built on the meta device: no memory)."""
     with torch.device("meta"):
-        gpt = GPT(model)
+        gpt = model_class(model)(model)
     return [p.shape for p in gpt.parameters()]
 
 
@@ -360,7 +363,7 @@ def _time_job(
     failed, seconds, matmul_s, plain, sharded = _max_across(local, device, group)
     if failed:
         return None, None
-    unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_ratio, 1)
+    unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
     compute = ComputeAtSize(b, timed["flops"], seconds, matmul_s, unit)
     return compute, HostCosts(1.0 / plain, 1.0 / sharded)
 

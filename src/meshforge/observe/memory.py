@@ -83,9 +83,15 @@ def tensor_bytes(tensors: Iterable[Any] | Mapping[Any, Any] | torch.Tensor) -> i
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for tensor in _iter_tensors(tensors):
         local = _local(tensor)
+        # a functional collective's result (AsyncCollectiveTensor) wraps the real one
+        local = getattr(local, "elem", local)
         if local.device.type == "meta" or local.numel() == 0:
             continue
-        storage_key = (str(local.device), local.untyped_storage().data_ptr())
+        try:
+            pointer = local.untyped_storage().data_ptr()
+        except RuntimeError:  # another wrapper subclass: no storage of its own to count
+            continue
+        storage_key = (str(local.device), pointer)
         spans.setdefault(storage_key, []).append(_byte_span(local))
     return sum(_union_length(ranges) for ranges in spans.values())
 

@@ -234,12 +234,45 @@ class ParallelDims:
         return init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 
 
+def _check_factory_split(cfg: JobConfig) -> None:
+    """A user's factory model: the layout rules that do not need its shape."""
+    m, p = cfg.model, cfg._parallel()
+    if p.mode == "parameter_server":
+        raise ConfigError(
+            f"parallel.mode=parameter_server initialises meshforge's gpt and llama only, "
+            f"not model.name={m.name}"
+        )
+    if p.tp > 1 and m.tp_plan is None:
+        raise ConfigError(
+            f"parallel.tp={p.tp} with model.name={m.name}: name the model's tensor-parallel "
+            "plan in model.tp_plan ('package.module:function')"
+        )
+    if p.tp == 1 and m.tp_plan is not None:
+        raise ConfigError("model.tp_plan applies to parallel.tp > 1")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if p.zero == 1 and (p.pp > 1 or p.tp > 1):
+        raise ConfigError(
+            f"parallel.zero=1 with parallel.tp={p.tp}, parallel.pp={p.pp} is not supported "
+            "(torch's ZeroRedundancyOptimizer takes plain tensors only); use zero: 2 or 3"
+        )
+    if cfg.precision.dtype == "fp16" and (p.pp > 1 or p.tp > 1):
+        raise ConfigError("precision.dtype=fp16 needs tp=1 and pp=1; use bf16")
+
+
 def check_model_split(cfg: JobConfig) -> None:
     """The rules that depend only on the model and the layout's degrees."""
     m, p = cfg.model, cfg._parallel()
+    if m.is_factory:
+        _check_factory_split(cfg)
+        return
     if m.n_heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_heads={m.n_heads}")
-    # tp | n_heads | d_model, so tp also divides d_model and the MLP width
+    if m.kv_heads % p.tp:  # each rank holds whole key/value heads
+        raise ConfigError(f"parallel.tp={p.tp} does not divide model.n_kv_heads={m.kv_heads}")
+    # tp | n_heads | d_model, so tp also divides d_model and the GPT's MLP width
+    if m.mlp_hidden % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide the MLP width {m.mlp_hidden}")
     if m.vocab_size % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size} "

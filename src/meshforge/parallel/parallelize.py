@@ -1,11 +1,13 @@
-"""Build the GPT for a layout: one function that applies, in torchtitan's order,
-pipeline split (outermost), tensor parallel, activation checkpointing, compile,
-then data parallel / ZeRO; and the model-side operations every layout shares
-(gradient sync control, the global gradient norm, the parameter digest).
+"""Build the job's model for a layout: one function that applies, in torchtitan's
+order, pipeline split (outermost), tensor parallel, activation checkpointing,
+compile, then data parallel / ZeRO; and the model-side operations every layout
+shares (gradient sync control, the global gradient norm, the parameter digest).
 
-The model is built on the meta device and materialised only after it has been cut
-and sharded, so no process ever holds more than its own slice of the weights;
-`GPT.init_weights` then fills that slice with the values world 1 would have.
+meshforge's models (GPT, Llama) are built on the meta device and materialised only
+after they have been cut and sharded, so no process ever holds more than its own
+slice of the weights; `init_weights` then fills that slice with the values world 1
+would have. A user's factory model (models/registry.py) is built whole on the CPU,
+from the same seed on every rank, then cut, sharded and moved.
 
 Data parallel, by ZeRO stage:
   0  plain dp: DDP (bucketed all-reduce overlapped with backward); with tp or pp:
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.config import JobConfig
-from meshforge.models.gpt import GPT
+from meshforge.errors import ConfigError
+from meshforge.models.registry import (
+    blocks_of,
+    build_model,
+    has_stage_layout,
+    tensor_parallel_plan,
+)
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.parallel.comm import (
     DTYPES,
@@ -52,18 +60,19 @@ class ModelParts:
     """The model as this rank holds it.
 
     modules:   one per local pipeline stage (the whole model when pp=1), unwrapped:
-               parameter names are those of the full GPT.
+               parameter names are those of the full model.
     callables: what forward is called on (the DDP wrapper under plain DDP).
     wrapper:   "ddp", "fsdp", "replicate" or "none".
     deferred:  under DDP with parallel.comm.overlap false, the reduction run after
                backward (every micro-batch then runs under no_sync); else None.
     """
 
-    modules: list[GPT]
+    modules: list[nn.Module]
     callables: list[nn.Module]
     wrapper: str
     dtype: str
     deferred: FlatGradReduction | None = None
+    n_params: int = 0  # parameters of the whole model (every stage and shard)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -116,44 +125,63 @@ class ModelParts:
             self.deferred(list(self.parameters()))
 
 
-def build_gpt(
+def build_model_parts(
     cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
 ) -> ModelParts:
-    """The GPT of `cfg`, cut, sharded and initialised for this rank of `dims`."""
+    """The job's model, cut, sharded and initialised for this rank of `dims`."""
     t, p = cfg.train, cfg._parallel()
-    with torch.device("meta"):
-        full = GPT(cfg.model)
+    factory = cfg.model.is_factory
+    if factory:
+        with torch.random.fork_rng(devices=[]):  # the same weights on every rank
+            torch.manual_seed(t.seed)
+            full = build_model(cfg.model)
+    else:
+        with torch.device("meta"):
+            full = build_model(cfg.model)
+    n_params = sum(p.numel() for p in full.parameters())
     if dims.pp_enabled:
-        from meshforge.parallel.pipeline import split_gpt, stage_ids
+        from meshforge.parallel.pipeline import split_stage, stage_ids
 
+        if not has_stage_layout(full):
+            raise ConfigError(
+                f"parallel.pp={dims.pp}: model.name={cfg.model.name} lacks the stage layout "
+                "a pipeline cuts (embed, blocks as an nn.ModuleDict, ln_f, head)"
+            )
         pp_rank = mesh["pp"].get_local_rank()
         ids = stage_ids(pp_rank, dims.pp, dims.pp_schedule, dims.virtual_stages)
-        modules = [split_gpt(full, i, dims.n_stages) for i in ids]
+        modules = [split_stage(full, i, dims.n_stages) for i in ids]
     else:
         modules = [full]
     for m in modules:
         if dims.tp_enabled:
-            from meshforge.models.gpt_parallelize import apply_tensor_parallel
-
-            apply_tensor_parallel(
+            tensor_parallel_plan(cfg.model)(
                 m,
                 mesh["tp"],
                 sequence_parallel=dims.sequence_parallel,
                 loss_parallel=loss_parallel_enabled(cfg, dims),
             )
-        apply_activation_checkpointing(list(m.blocks.values()), t.activation_checkpointing)
+        blocks = blocks_of(m)
+        if not blocks and t.activation_checkpointing != "none":
+            raise ConfigError(
+                f"train.activation_checkpointing={t.activation_checkpointing} checkpoints "
+                f"the model's blocks; model.name={cfg.model.name} has no `blocks`"
+            )
+        apply_activation_checkpointing(blocks, t.activation_checkpointing)
         if t.compile:  # per block, in place (parameter names unchanged), before sharding
-            for block in m.blocks.values():
-                block.compile()
+            for unit in blocks or [m]:
+                unit.compile()
     wrapper = _data_parallel_kind(dims)
     if wrapper in ("fsdp", "replicate"):
         mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)
         for m in modules:
             _shard(m, wrapper, dims.zero, mesh["dp"], mp, p.comm.prefetch)
     for m in modules:
-        m.to_empty(device=device)
-        m.tie_weights()
-        m.init_weights(t.seed)
+        if factory:
+            m.to(device)
+        else:
+            m.to_empty(device=device)
+            m.tie_weights()
+            m.init_weights(t.seed)
     callables: list[nn.Module] = list(modules)
     deferred = None
     if wrapper == "ddp":
@@ -172,7 +200,7 @@ def build_gpt(
             register_compression(ddp, p.comm, group)
         if not p.comm.overlap:
             deferred = FlatGradReduction(group, p.comm.bucket_mb)
-    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred)
+    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred, n_params)
 
 
 def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -188,7 +216,7 @@ def _data_parallel_kind(dims: ParallelDims) -> str:
 
 
 def _shard(
-    m: GPT,
+    m: nn.Module,
     wrapper: str,
     zero: int,
     dp_mesh: DeviceMesh,
@@ -201,14 +229,14 @@ def _shard(
 
         replicate(m, mesh=dp_mesh, **kwargs)
         return
-    for block in m.blocks.values():
+    for block in blocks_of(m):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
     # The root (embeddings, final norm, head) keeps torch's default: not resharded after
     # forward, since backward starts with the head; resharding it would add an
     # all-gather that nothing can hide. ZeRO-2 keeps every unit gathered.
     fully_shard(m, mesh=dp_mesh, reshard_after_forward=None if zero == 3 else False, **kwargs)
     if prefetch is not None:
-        set_prefetch(m, list(m.blocks.values()), prefetch)
+        set_prefetch(m, blocks_of(m), prefetch)
 
 
 # -- shared model-side operations -------------------------------------------------------
@@ -254,26 +282,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def digest_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, full fp32 bytes) of each tensor, in name order: the report's
+    `final_param_digest` formula, for parameters gathered by `param_digest` or read
+    back from a checkpoint or an export (plain tensors, not shards)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def param_digest(parts: ModelParts, holder: bool) -> str:
-    """sha256 over every parameter gathered to a full fp32 tensor, in name order, on
-    global rank 0 ("" elsewhere). Collective: every rank calls it.
+    """`digest_of` every parameter gathered to a full fp32 tensor, on global rank 0
+    ("" elsewhere). Collective: every rank calls it.
 
     holder: whether this rank sends its stage's parameters (one rank per pipeline
     stage does; its dp/tp peers only take part in the gathers)."""
-    local: dict[str, bytes] = {}
+    local: dict[str, torch.Tensor] = {}
     for name, p in sorted(parts.named_parameters()):
         full = _full(p.detach()).float().cpu().contiguous()
         if holder:
-            local[name] = full.numpy().tobytes()
-    gathered: list[dict[str, bytes] | None] = [None] * dist.get_world_size()
+            local[name] = full
+    gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return ""
-    merged: dict[str, bytes] = {}
+    merged: dict[str, torch.Tensor] = {}
     for d in gathered:
         merged.update(d or {})
-    h = hashlib.sha256()
-    for name in sorted(merged):
-        h.update(name.encode())
-        h.update(merged[name])
-    return h.hexdigest()
+    return digest_of(merged.items())

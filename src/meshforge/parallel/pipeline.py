@@ -1,4 +1,4 @@
-"""Pipeline parallelism for the GPT, on torch.distributed.pipelining.
+"""Pipeline parallelism for meshforge's models, on torch.distributed.pipelining.
 
 Batch rule: the pipeline's micro-batches ARE the gradient-accumulation micro-batches.
 A step on one data-parallel rank consumes n_microbatches x micro_batch sequences in one
@@ -36,7 +36,6 @@ from torch.distributed.pipelining.schedules import FORWARD, RECV_F, RESHARD, SEN
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
-from meshforge.models.gpt import GPT
 from meshforge.parallel.dims import interleaved_accepts, min_microbatches, stages_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
@@ -73,13 +72,17 @@ def layer_split(n_layers: int, n_stages: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
-def split_gpt(model: GPT, stage_id: int, n_stages: int) -> GPT:
+def split_stage(model: nn.Module, stage_id: int, n_stages: int) -> nn.Module:
     """A deep copy of `model` (meta is fine: nothing is allocated) with only stage
     `stage_id`'s blocks, under their original names so `init_weights` and checkpoints
-    see the same keys as the full model."""
-    if model.cfg.tie_embeddings and n_stages > 1:
-        # embedding and head would live on different ranks as one Parameter
-        raise ValueError("pipeline parallelism needs model.tie_embeddings: false")
+    see the same keys as the full model. `model` has the stage layout of
+    models/registry.py: embed, blocks (keyed by layer index), ln_f, head."""
+    every = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
+    if n_stages > 1 and len(every) < len(list(model.named_parameters(remove_duplicate=False))):
+        # e.g. embedding and head would live on different ranks as one Parameter
+        raise ValueError(
+            "pipeline parallelism needs untied parameters (model.tie_embeddings: false)"
+        )
     keep = {str(i) for i in layer_split(len(model.blocks), n_stages)[stage_id]}
     part = copy.deepcopy(model)
     for name in list(part.blocks.keys()):
@@ -113,7 +116,7 @@ def check_microbatches(schedule: str, pp: int, virtual_stages: int, n_microbatch
 class Pipeline:
     """This rank's stages of a pipeline and the schedule that drives them.
 
-    `parts` are the stage modules (from `split_gpt`, after TP/FSDP are applied), in the
+    `parts` are the stage modules (from `split_stage`, after TP/FSDP are applied), in the
     order of `stage_ids`. After each `step`, `busy_s` is the seconds this rank spent in
     its stages' forward, backward (input and weight) and loss computations, `wall_s`
     the step's wall-clock seconds, `bubble` = 1 - busy_s / wall_s. The first step also

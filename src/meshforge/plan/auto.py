@@ -35,7 +35,7 @@ from typing import Any
 
 from meshforge.config import JobConfig, ParallelConfig, build_config
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
+from meshforge.plan.flops import GPTShape, shape_of
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import Training
 from meshforge.plan.predict import Prediction
@@ -291,13 +291,6 @@ def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1)
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def shape_of(cfg: JobConfig) -> GPTShape:
-    m = cfg.model
-    return GPTShape(
-        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio, m.tie_embeddings
-    )
 
 
 @dataclass(frozen=True)

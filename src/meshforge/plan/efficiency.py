@@ -47,6 +47,6 @@ class ComputeCurve:
 A100_CURVE = ComputeCurve(f_max=0.75, t0_s=130e-6)
 
 
-def matmul_unit_flops(micro_batch: int, seq: int, hidden: int, mlp_ratio: int, tp: int) -> float:
+def matmul_unit_flops(micro_batch: int, seq: int, hidden: int, mlp_ratio: float, tp: int) -> float:
     """W = 2·b·s·h·(r·h/t): the per-GPU MLP up-projection of one micro-batch."""
     return 2.0 * micro_batch * seq * hidden * (mlp_ratio * hidden / tp)

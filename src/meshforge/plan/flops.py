@@ -1,14 +1,23 @@
-"""Parameter counts and training FLOPs of meshforge's GPT (pure Python, no torch).
+"""Parameter counts and training FLOPs of meshforge's models (pure Python, no torch).
 
-The GPT is the one in `meshforge.models.gpt`: learned token and position
-embeddings, pre-LayerNorm blocks (QKV and output projections with bias, a GELU
-MLP of width mlp_ratio*h with bias), a final LayerNorm, and an output head tied
-to the token embedding (or untied: `tie_embeddings=False`).
+family "gpt" (models/gpt.py): learned token and position embeddings, pre-LayerNorm
+blocks (QKV and output projections with bias, a GELU MLP of width mlp_ratio*h with
+bias), a final LayerNorm, and an output head tied to the token embedding (or
+untied: `tie_embeddings=False`).
+
+family "llama" (models/llama.py): a token embedding only (rotary positions have no
+parameters), blocks of two RMSNorms, q and output projections h x h, k and v
+projections h x (n_kv_heads * head_dim) for grouped-query attention, a SwiGLU MLP
+of three h x f matrices, no biases; a final RMSNorm and a head of its own (unless
+tied).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from meshforge.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,60 @@ class GPTShape:
     seq_len: int
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    family: str = "gpt"  # gpt | llama
+    n_kv_heads: int | None = None  # llama: key/value heads (None: n_heads)
+    ffn_hidden: int | None = None  # llama: SwiGLU width (None: 8/3 h rounded up to 64)
+
+    @property
+    def mlp_width(self) -> int:
+        if self.family == "gpt":
+            return self.mlp_ratio * self.d_model
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // 64) * 64
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the k (and of the v) projection's output."""
+        return (self.n_kv_heads or self.n_heads) * (self.d_model // self.n_heads)
+
+    def block_matrices(self) -> float:
+        """Weight-matrix parameters of one block (what its matmuls multiply by)."""
+        h, f = self.d_model, self.mlp_width
+        if self.family == "gpt":
+            return 4 * h * h + 2 * h * f
+        return 2 * h * h + 2 * h * self.kv_width + 3 * h * f
+
+    def block_vectors(self) -> tuple[float, float]:
+        """(split, replicated) 1-D parameters of one block under tensor parallelism:
+        column-parallel biases are split, row-parallel biases and norms replicated."""
+        h, f = self.d_model, self.mlp_width
+        if self.family == "gpt":
+            return 3 * h + f, h + h + 4 * h  # qkv + fc biases; proj biases + 2 LayerNorms
+        return 0, 2 * h  # two RMSNorm weights
+
+    @property
+    def position_params(self) -> int:
+        return self.seq_len * self.d_model if self.family == "gpt" else 0
+
+    @property
+    def final_norm_params(self) -> int:
+        return 2 * self.d_model if self.family == "gpt" else self.d_model
+
+
+def shape_of(model: Any) -> GPTShape:
+    """The shape of a job's `model` section (config.ModelConfig, or a JobConfig); a
+    user's factory model has no shape the planner knows: ConfigError."""
+    m = getattr(model, "model", model)
+    if m.is_factory:
+        raise ConfigError(
+            f"model.name={m.name} is a user's factory: the planner models meshforge's "
+            "gpt and llama shapes only"
+        )
+    return GPTShape(
+        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.mlp_ratio,
+        m.tie_embeddings, m.name, m.n_kv_heads, m.ffn_hidden,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -30,15 +93,12 @@ class ParamCount:
 
 
 def gpt_param_count(shape: GPTShape) -> ParamCount:
-    h, L, r = shape.d_model, shape.n_layers, shape.mlp_ratio
-    attn = h * 3 * h + 3 * h + h * h + h  # qkv + out projection, with biases
-    mlp = h * r * h + r * h + r * h * h + h  # fc + proj, with biases
-    norms = 2 * (2 * h)  # two LayerNorms per block (weight + bias)
-    per_block = attn + mlp + norms
-    embedding = shape.vocab_size * h + shape.seq_len * h
+    h, L = shape.d_model, shape.n_layers
+    per_block = shape.block_matrices() + sum(shape.block_vectors())
+    embedding = shape.vocab_size * h + shape.position_params
     if not shape.tie_embeddings:  # an output head of its own
         embedding += shape.vocab_size * h
-    non_embedding = L * per_block + 2 * h  # + final LayerNorm
+    non_embedding = int(L * per_block + shape.final_norm_params)
     return ParamCount(embedding + non_embedding, embedding, non_embedding)
 
 
@@ -114,14 +174,15 @@ class StepFlops:
 
 
 def microbatch_flops(shape: GPTShape, micro_batch: int) -> StepFlops:
-    """Matmul FLOPs of one micro-batch, for any MLP ratio r.
+    """Matmul FLOPs of one micro-batch, for any MLP width.
 
-    Per layer forward: 2·b·s·(3h² + h² + 2·r·h²) for the QKV, output and MLP matmuls,
+    Per layer forward: 2·b·s·(weight-matrix parameters of a block), for the GPT
+    2·b·s·(3h² + h² + 2·r·h²) for the QKV, output and MLP matmuls,
     plus 4·b·s²·h for QK^T and AV; logits 2·b·s·V·h. With r = 4 and training = 3 x
     forward this is exactly Korthikanti's 72·b·l·s·h²·(1 + s/(6h) + V/(12·h·l))."""
-    b, s, h, r = micro_batch, shape.seq_len, shape.d_model, shape.mlp_ratio
+    b, s, h = micro_batch, shape.seq_len, shape.d_model
     attention_core = 4.0 * b * s * s * h
-    layer = 2.0 * b * s * (4 + 2 * r) * h * h + attention_core
+    layer = 2.0 * b * s * shape.block_matrices() + attention_core
     logits = 2.0 * b * s * shape.vocab_size * h
     return StepFlops(layer, attention_core, logits)
 
@@ -140,17 +201,16 @@ def params_per_rank(shape: GPTShape, tp: int = 1, pp: int = 1) -> RankParams:
     t; row-parallel biases and LayerNorms are replicated; the token embedding is
     vocab-parallel, the position embedding replicated. With pp > 1 the first stage
     holds the embeddings and the last stage a copy of the tied head (V·h/t)."""
-    h, r, t = shape.d_model, shape.mlp_ratio, tp
-    attn = (3 * h * h + 3 * h + h * h) / t + h
-    mlp = (r * h * h + r * h + r * h * h) / t + h
-    block = attn + mlp + 4 * h
+    h, t = shape.d_model, tp
+    split, replicated = shape.block_vectors()
+    block = (shape.block_matrices() + split) / t + replicated
     blocks = shape.n_layers / pp * block
-    embeddings = shape.vocab_size * h / t + shape.seq_len * h
+    embeddings = shape.vocab_size * h / t + shape.position_params
     if pp == 1:
-        root = embeddings + 2 * h
+        root = embeddings + shape.final_norm_params
         if not shape.tie_embeddings:  # the output head of its own
             root += shape.vocab_size * h / t
         return RankParams(blocks + root, block, root)
-    first, last = embeddings, shape.vocab_size * h / t + 2 * h
+    first, last = embeddings, shape.vocab_size * h / t + shape.final_norm_params
     root = max(first, last)
     return RankParams(blocks + root, block, root)

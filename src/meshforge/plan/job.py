@@ -13,8 +13,8 @@ from typing import Any
 
 from meshforge.config import JobConfig
 from meshforge.errors import ConfigError
-from meshforge.plan.auto import HostCosts, host_step_time, shape_of
-from meshforge.plan.flops import params_per_rank
+from meshforge.plan.auto import HostCosts, host_step_time
+from meshforge.plan.flops import params_per_rank, shape_of
 from meshforge.plan.layout import Layout
 from meshforge.plan.memory import model_state_bytes
 from meshforge.plan.predict import predict_run

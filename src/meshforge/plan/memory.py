@@ -211,7 +211,8 @@ def activation_memory_bytes(
     Korthikanti's byte counts assume 16-bit activations; fp32 doubles them. With full
     recomputation one layer's complete activations also live during its backward."""
     scale = dtype_bytes(precision) / 2
-    kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa, mlp_ratio=shape.mlp_ratio)
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa,
+              mlp_ratio=shape.mlp_width / shape.d_model)  # fmt: skip
     s, b, h, a = shape.seq_len, micro_batch, shape.d_model, shape.n_heads
     per_layer = activation_bytes_per_layer(s, b, h, a, recompute=recompute, **kw)
     live_layer = 0.0

@@ -25,18 +25,26 @@ def build_model(
     seq: int | None = None,
     mlp_ratio: int = 4,
     params: float | None = None,
+    preset: str | None = None,
 ) -> Model:
-    """A GPT shape from the five shape flags, or a bare parameter count."""
+    """A model shape from a preset (`--model NAME`, the shape flags overriding it),
+    from the five shape flags, or a bare parameter count."""
     given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq}
     if params is not None:
-        if any(v is not None for v in given.values()):
-            raise ConfigError("give either --params or the model shape (--layers ...), not both")
+        if any(v is not None for v in given.values()) or preset is not None:
+            raise ConfigError(
+                "give either --params or the model (--model or --layers ...), not both"
+            )
         if not params > 0:
             raise ConfigError(f"--params must be > 0, got {params}")
         return float(params)
+    if preset is not None:
+        return _preset_shape(preset, given, mlp_ratio)
     missing = [f"--{k}" for k, v in given.items() if v is None]
     if missing:
-        raise ConfigError(f"model shape incomplete: missing {' '.join(missing)} (or use --params)")
+        raise ConfigError(
+            f"model shape incomplete: missing {' '.join(missing)} (or use --model or --params)"
+        )
     for name, value in given.items():
         if value < 1:  # type: ignore[operator]
             raise ConfigError(f"--{name} must be >= 1, got {value}")
@@ -45,6 +53,26 @@ def build_model(
     if hidden % heads:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
     return GPTShape(layers, hidden, heads, vocab, seq, mlp_ratio)  # type: ignore[arg-type]
+
+
+_FLAG_FIELDS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
+                "vocab": "vocab_size", "seq": "seq_len"}  # fmt: skip
+
+
+def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: int) -> GPTShape:
+    """The shape a job file with `model: {preset: NAME, ...}` trains: the same config
+    code reads both, so the planner and the trainer agree."""
+    from meshforge.config import build_config
+    from meshforge.plan.flops import shape_of
+
+    model: dict[str, object] = {"preset": preset}
+    model.update({_FLAG_FIELDS[k]: v for k, v in given.items() if v is not None})
+    if mlp_ratio != 4:
+        model["mlp_ratio"] = mlp_ratio
+    try:
+        return shape_of(build_config({"model": model}).model)
+    except ConfigError as exc:
+        raise ConfigError(f"--model {preset}: {exc}") from None
 
 
 def build_cluster(

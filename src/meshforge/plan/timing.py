@@ -110,7 +110,7 @@ def step_time(shape: GPTShape, layout: Layout, training: Training, cluster: Clus
     flops = microbatch_flops(shape, b)
     stage_layers = shape.n_layers / p
     stage_hw = flops.hardware(stage_layers, training.recompute) / t
-    unit = matmul_unit_flops(b, shape.seq_len, shape.d_model, shape.mlp_ratio, t)
+    unit = matmul_unit_flops(b, shape.seq_len, shape.d_model, shape.mlp_width / shape.d_model, t)
     fraction = device.curve.fraction(unit, peak)
     comp = stage_hw / (peak * fraction)
     forward_share = (stage_layers * flops.layer_forward + flops.logits_forward) / t / stage_hw

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.config import JobConfig
 from meshforge.parallel.dims import ParallelDims
-from meshforge.parallel.parallelize import ModelParts, build_gpt, param_digest
+from meshforge.parallel.parallelize import ModelParts, build_model_parts, param_digest
 from meshforge.train.optim import Optimizers
 from meshforge.train.ps_step import build_parameter_server
 from meshforge.train.step import StepStrategy, make_step
@@ -36,7 +36,7 @@ class Engine:
         if dims.parameter_server:
             return ParameterServerEngine.build_ps(cfg, dims, rank, device)
         mesh = dims.build_mesh(device)
-        parts = build_gpt(cfg, dims, mesh, device)
+        parts = build_model_parts(cfg, dims, mesh, device)
         optimizers = Optimizers(cfg, parts, mesh["dp"], device)
         strategy = make_step(cfg, dims, mesh, parts, optimizers, device)
         return cls(cfg, dims, mesh, parts, optimizers, strategy, rank)

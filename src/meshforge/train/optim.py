@@ -151,7 +151,8 @@ class Optimizers:
                 options=_FLAT,
             )
         for m in self.parts.modules:  # a loaded state dict may have split a tied pair
-            m.tie_weights()
+            if hasattr(m, "tie_weights"):
+                m.tie_weights()
 
     def _for(self, opt: torch.optim.Optimizer, optim_sd: dict[str, Any]) -> dict[str, Any]:
         mine = {self._names[p] for g in opt.param_groups for p in g["params"]}

@@ -2,7 +2,7 @@
 step at a time; log, validate and checkpoint around it.
 
 The loop never knows the layout. `ParallelDims` says which ranks do what,
-`build_gpt` places the model, `Optimizers` owns the optimizer, learning rate and
+`build_model_parts` places the model, `Optimizers` owns the optimizer, learning rate and
 loss scaler, the step strategy (train/step.py) runs a step, the `Checkpointer`
 saves and resumes. Metrics are reduced and written every `log_every` steps only,
 so the loop does not synchronise more than the parallel layout needs.
@@ -30,7 +30,7 @@ from meshforge.data.corpus import load_tokens
 from meshforge.data.loader import DistributedBatchLoader, NoBatches, val_batches
 from meshforge.errors import ConfigError
 from meshforge.launch.local import is_peer_failure, recorded_failures
-from meshforge.models.gpt import GPT, shape_of
+from meshforge.models.registry import blocks_of, build_model
 from meshforge.observe import comm_bytes
 from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
@@ -45,7 +45,7 @@ from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import StragglerWatch
 from meshforge.observe.trace import StepTracer, parse_steps
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.plan.flops import gpt_param_count, training_flops_per_token
+from meshforge.plan.flops import ParamCount, gpt_param_count, shape_of, training_flops_per_token
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime
@@ -91,9 +91,14 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", self.optimizers, cfg.checkpoint.keep, self._warn
         )
-        shape = shape_of(cfg.model)
-        self.params = gpt_param_count(shape)
-        self.flops_per_token = training_flops_per_token(shape)
+        if cfg.model.is_factory:  # a user's model: 6 FLOPs per parameter and token
+            n = self.parts.n_params
+            self.params = ParamCount(n, 0, n)
+            self.flops_per_token = 6.0 * n
+        else:
+            shape = shape_of(cfg.model)
+            self.params = gpt_param_count(shape)
+            self.flops_per_token = training_flops_per_token(shape)
         self.tokens_per_step = t.global_batch * cfg.model.seq_len
         self.progress: TrainingProgress | None = None
         # what this rank is doing (observe/flight.py); a disabled one when not given
@@ -217,8 +222,9 @@ class Trainer:
             if full_bytes > 0.2 * free:
                 return None
         with torch.random.fork_rng(devices=[]):
-            replica = GPT(self.cfg.model).to(self.device)
-            blocks = list(replica.blocks.values())
+            torch.manual_seed(self.cfg.train.seed)
+            replica = build_model(self.cfg.model).to(self.device)
+            blocks = blocks_of(replica)
             apply_activation_checkpointing(blocks, self.cfg.train.activation_checkpointing)
             times = []
             for _ in range(3):
@@ -270,7 +276,7 @@ class Trainer:
         peak = detect_peak_flops(self.device, c.precision.dtype, torch.get_num_threads())
         # the sharded-optimizer timing runs on the dp mesh when it spans the world
         self.machine_profile = None  # the planner does not model a parameter server
-        if not self.dims.parameter_server:
+        if not self.dims.parameter_server and not c.model.is_factory:
             whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
             group = self.mesh["dp"] if whole else None
             self.machine_profile = measure_profile(self.device, c.precision.dtype, group, c)

@@ -1,9 +1,11 @@
-"""How the GPT is spread over a tensor-parallel mesh dimension (Megatron-LM's split,
-through DTensor's `parallelize_module`). The model itself never sees this file.
+"""How meshforge's models (the GPT and the Llama-style decoder) are spread over a
+tensor-parallel mesh dimension (Megatron-LM's split, through DTensor's
+`parallelize_module`). The models themselves never see this file.
 
-Per block: q, k, v and the MLP's first projection are column-wise (each rank holds
-whole heads and a slice of the MLP width), the two output projections row-wise
-(one all-reduce each in forward, one in backward). The token embedding and the
+Per block: q, k, v and the MLP's input projections (the GPT's fc; the Llama's gate
+and up) are column-wise (each rank holds whole heads, whole key/value heads under
+grouped-query attention, and a slice of the MLP width), the two output projections
+row-wise (one all-reduce each in forward, one in backward). The token embedding and the
 output head are split over the vocabulary; with loss parallel the logits stay
 vocabulary-sharded into the cross-entropy, so the full (b, s, vocab) tensor never
 exists on one rank.
@@ -26,36 +28,28 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshforge.models.gpt import GPT
+from meshforge.models.gpt import DecoderLM
 
 
 def apply_tensor_parallel(
-    model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: DecoderLM, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
 ) -> None:
     """Shard `model` (or the pipeline stage of it) in place over `tp_mesh`."""
     sp = sequence_parallel
     between = Shard(1) if sp else Replicate()  # layout of activations between blocks
     if model.embed is not None:
-        parallelize_module(
-            model.embed,
-            tp_mesh,
-            {
-                # vocabulary-parallel lookup: masked gather, then all-reduce
-                "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                # under SP the sum leaves the embeddings already cut along the sequence
-                **(
-                    {
-                        "drop": PrepareModuleInput(
-                            input_layouts=(Replicate(),),
-                            desired_input_layouts=(Shard(1),),
-                            use_local_output=True,
-                        )
-                    }
-                    if sp
-                    else {}
-                ),
-            },
-        )
+        # vocabulary-parallel lookup: masked gather, then all-reduce
+        if hasattr(model.embed, "drop"):  # GPT: + position embedding, then dropout
+            plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+            if sp:  # the sum leaves the embeddings already cut along the sequence
+                plan["drop"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_output=True,
+                )
+        else:  # Llama: the lookup is all; under SP it reduce-scatters along the sequence
+            plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=between)}
+        parallelize_module(model.embed, tp_mesh, plan)
     for block in model.blocks.values():
         plan = {
             "attn": PrepareModuleInput(
@@ -72,7 +66,9 @@ def apply_tensor_parallel(
                 desired_input_layouts=(Replicate(),),
                 use_local_output=True,
             ),
-            "mlp.fc": ColwiseParallel(),
+            **{
+                f"mlp.{n}": ColwiseParallel() for n in ("fc", "gate", "up") if hasattr(block.mlp, n)
+            },
             "mlp.proj": RowwiseParallel(output_layouts=between),
         }
         if sp:

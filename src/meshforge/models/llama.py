@@ -1,0 +1,112 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, a SwiGLU MLP,
+grouped-query attention (`model.n_kv_heads`) and an output head of its own (tied
+only when `model.tie_embeddings: true`, as Llama 3.2 1B/3B are). No biases, no
+dropout, no position table.
+
+It follows the GPT's conventions (models/gpt.py), so that the same pipeline split,
+checkpoints and layouts apply: `embed` (token embedding), `blocks` keyed by layer
+index, `ln_f` and `head`, any of which a pipeline stage may drop; `init_weights`
+gives each parameter its full-model value whatever slice this process holds.
+
+Rotary embeddings use the "rotate half" arrangement of Hugging Face's
+LlamaForCausalLM (the first half of each head's dimensions pairs with the second),
+so an exported checkpoint loads there with no permutation of q and k. The angles
+are computed in each attention call from the sequence length (a few thousand
+multiply-adds beside the projections): nothing to materialise after a meta build,
+nothing a pipeline stage must be handed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.config import ModelConfig
+from meshforge.models.gpt import DecoderLM
+
+
+def rotary(x: torch.Tensor, theta: float, dims: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape (seq, dims), in fp32, for positions 0..seq-1."""
+    inv = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=torch.float32) / dims)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, s, d) rotated: x*cos + rotate_half(x)*sin, in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        kv = cfg.kv_heads * self.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, kv, bias=False)
+        self.v = nn.Linear(cfg.d_model, kv, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.theta = cfg.rope_theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # "-1": the heads this shard holds (a tensor-parallel rank has whole heads)
+        q, k, v = (
+            lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        cos, sin = rotary(x, self.theta, self.head_dim, s)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        group = q.shape[1] // k.shape[1]  # query heads per key/value head
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx)
+
+
+class Llama(DecoderLM):
+    """Initialised as the GPT is (DecoderLM.init_weights): matrices N(0, 0.02), the
+    two residual projections of each block N(0, 0.02/sqrt(2L)), RMSNorm weights 1."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        blocks = [LlamaBlock(cfg) for _ in range(cfg.n_layers)]
+        super().__init__(
+            cfg, TokenEmbedding(cfg), blocks, nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        )

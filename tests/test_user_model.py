@@ -1,0 +1,86 @@
+"""A job file can name a user's own model factory (`model.name: package.module:fn`):
+data parallel and ZeRO place it unchanged, TP and PP when it brings a plan or the
+stage layout; a factory that cannot be built is refused before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import assert_one_line_error
+from layouts import job, train_layout
+
+TESTS = str(Path(__file__).parent)
+STEPS = 12
+FACTORY = {"name": "user_models:tiny_lm", "kwargs": {"width": 32, "layers": 4}, "seq_len": 32}
+
+
+def _factory_job(parallel: dict, **model) -> dict:
+    raw = job(parallel, train={"steps": STEPS})
+    raw["model"] = {**FACTORY, **model}
+    return raw
+
+
+def _with_model(job, model: dict):
+    """The tiny CLI job with its model section replaced (its GPT shape fields would not
+    apply to a factory)."""
+    job.cfg["model"] = model
+    job.config_path.write_text(yaml.safe_dump(job.cfg))
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(gloo) -> dict[int, float]:
+    (out,) = gloo.run(1, train_layout, _factory_job({}), STEPS)
+    assert out["losses"][STEPS] < out["losses"][1], "the world-1 run did not learn"
+    return out["losses"]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "model"),
+    [
+        ({"zero": 2}, {}),
+        ({"zero": 3}, {}),
+        ({"tp": 2, "loss_parallel": False}, {"tp_plan": "user_models:tp_plan"}),
+        ({"pp": 2}, {}),
+    ],
+    ids=["zero2", "zero3", "tp2-user-plan", "pp2-stage-layout"],
+)
+def test_a_factory_model_trains_like_world_1(gloo, reference, parallel, model):
+    results = gloo.run(2, train_layout, _factory_job(parallel, **model), STEPS)
+    for out in results:
+        for step, loss in reference.items():
+            assert out["losses"][step] == pytest.approx(loss, rel=1e-4), step
+
+
+def test_a_factory_job_trains_through_the_cli_under_zero2(job_factory):
+    job = _with_model(job_factory({"parallel": {"zero": 2}, "train": {"steps": 6}}), FACTORY)
+    job.train(2, env={"PYTHONPATH": TESTS})
+    report = job.report
+    assert report["status"] == "completed"
+    params = report["model_params"]
+    assert params == 4 * (32 * 2 + 2 * 32 * 64 + 64 + 32) + 256 * 32 * 2 + 2 * 32
+    assert report["flops_per_token"] == 6 * params
+    losses = job.losses()
+    assert losses[6] < losses[1]
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "fragments"),
+    [
+        ({"name": "no_such_module:make"}, {}, ["model.name=no_such_module:make", "cannot import"]),
+        ({"name": "user_models:nothing"}, {}, ["user_models has no nothing"]),
+        ({"name": "user_models:not_a_module"}, {}, ["returned dict", "nn.Module"]),
+        ({"name": "user_models:broken"}, {}, ["raised RuntimeError", "no GPU here"]),
+        ({"name": "user_models:tiny_lm", "d_model": 64}, {}, ["model.d_model", "model.kwargs"]),
+        ({"name": "user_models:tiny_lm"}, {"tp": 2}, ["model.tp_plan"]),
+    ],
+    ids=["no-module", "no-attribute", "not-a-module", "raises", "shape-field", "tp-no-plan"],
+)
+def test_a_factory_that_cannot_be_built_is_one_line(job_factory, model, parallel, fragments):
+    job = _with_model(job_factory({"parallel": parallel}), {**model, "seq_len": 32})
+    proc = job.train(2, env={"PYTHONPATH": TESTS}, check=False)
+    assert_one_line_error(proc, *fragments)
+    assert not (job.run_dir / "checkpoints").exists()
