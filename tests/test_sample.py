@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
 import pytest
 
 from helpers import Job, assert_one_line_error, meshforge
 from meshforge.cli.sample import load_model
+from meshforge.parallel.parallelize import digest_of
 
 JOB = {"parallel": {"zero": 3}, "train": {"steps": 10, "warmup": 2}}
 
@@ -23,15 +23,6 @@ def zero3_run(tmp_path_factory):
 
 def _sample(run_dir, *extra: str):
     return meshforge(["sample", str(run_dir), "--prompt", "def ", "--tokens", "20", *extra])
-
-
-def _digest(model) -> str:
-    """The report's final_param_digest formula: sha256 of (name, fp32 bytes) in name order."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 @pytest.mark.slow
@@ -55,7 +46,7 @@ def test_greedy_sampling_is_deterministic(zero3_run):
 def test_zero3_shards_load_into_the_full_trained_parameters(zero3_run):
     model, step = load_model(zero3_run.run_dir)
     assert step == 10
-    assert _digest(model) == zero3_run.report["final_param_digest"]
+    assert digest_of(model.named_parameters()) == zero3_run.report["final_param_digest"]
 
 
 def test_missing_run_dir_exits_2(tmp_path):

@@ -15,3 +15,7 @@ class DataError(MeshforgeError):
 
 class CheckpointError(MeshforgeError):
     """A checkpoint cannot be used."""
+
+
+class ExportError(MeshforgeError):
+    """An export of a model cannot be written."""

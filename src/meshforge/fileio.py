@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -15,3 +19,57 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def staged_directory(final: str | os.PathLike[str], replace: bool = False) -> Iterator[Path]:
+    """A new directory beside `final` to fill; when the block ends without an exception
+    its files are flushed to disk and it is renamed to `final`, else it is removed. So
+    readers see the old `final` or the complete new one, never half of it.
+
+    An existing `final` raises FileExistsError unless `replace`: then it is moved aside,
+    removed only once the new directory is in place, and put back if the rename fails."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    _remove(stage)
+    stage.mkdir()
+    try:
+        yield stage
+        for path in stage.rglob("*"):
+            if path.is_file():
+                _fsync(path)
+        if final.exists() and not replace:
+            raise FileExistsError(errno.EEXIST, "exists", str(final))
+        aside = None
+        if final.exists() or final.is_symlink():
+            aside = final.with_name(f".{final.name}.old-{socket.gethostname()}-{os.getpid()}")
+            _remove(aside)
+            os.replace(final, aside)
+        try:
+            os.replace(stage, final)
+        except OSError:
+            if aside is not None:
+                os.replace(aside, final)
+            raise
+        _fsync(final.parent)
+        if aside is not None:
+            _remove(aside)
+    finally:
+        _remove(stage)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, link or directory tree if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)

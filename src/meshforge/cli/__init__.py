@@ -21,6 +21,7 @@ from meshforge.cli import bench as _bench  # noqa: E402,F401
 from meshforge.cli import cost as _cost  # noqa: E402,F401
 from meshforge.cli import data as _data  # noqa: E402,F401
 from meshforge.cli import diagnose as _diagnose  # noqa: E402,F401
+from meshforge.cli import export as _export  # noqa: E402,F401
 from meshforge.cli import plan as _plan  # noqa: E402,F401
 from meshforge.cli import preflight as _preflight  # noqa: E402,F401
 from meshforge.cli import report as _report  # noqa: E402,F401

@@ -140,8 +140,36 @@ class ByteTokenizer:
         """Nothing to write; the index entry is the string ``"byte"``."""
         return "byte"
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` of an equivalent ``tokenizers`` tokenizer (for tools
+        that read only that format, e.g. a Hugging Face export): GPT-2's byte-level
+        pre-tokenizer and decoder without its regex, and a BPE model with no merges
+        whose 256 tokens are the bytes, token i standing for byte i."""
+        tk = _tokenizers()
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        inner = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+        inner.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        inner.decoder = tk.decoders.ByteLevel()
+        return inner.to_str(pretty=True)
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
+
+
+def _byte_level_chars() -> list[str]:
+    """The printable character GPT-2's byte-level BPE writes for each byte 0..255
+    (`bytes_to_unicode` of GPT-2's encoder.py): printable Latin-1 bytes stand for
+    themselves, the others for chr(256 + n) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, n = [], 0
+    for byte in range(VOCAB_SIZE):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(VOCAB_SIZE + n))
+            n += 1
+    return chars
 
 
 # --------------------------------------------------------------------------- BPE
