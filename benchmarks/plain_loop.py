@@ -54,6 +54,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument(
+        "--timeline",
+        default=None,
+        help="rank 0 writes JSON {first_step_start, last_step_end} (time.time()) here",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -113,6 +118,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     per_rank = args.global_batch if args.strategy in ("tp", "pp") else args.global_batch // world
     rng = np.random.default_rng(0 if args.strategy in ("tp", "pp") else rank)
     rates, t0 = [], time.perf_counter()
+    first_step_start = time.time()
     for step in range(1, args.steps + 1):
         starts = rng.integers(0, len(tokens) - args.seq - 1, size=per_rank)
         rows = np.stack([np.asarray(tokens[s : s + args.seq + 1]) for s in starts])
@@ -144,6 +150,11 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             now = time.perf_counter()
             rates.append(args.log_every * args.global_batch * args.seq / (now - t0))
             t0 = now
+    dist.all_reduce(loss.detach())  # the last step ends on every rank
+    last_step_end = time.time()
+    if args.timeline and rank == 0:
+        with open(args.timeline, "w") as f:
+            json.dump({"first_step_start": first_step_start, "last_step_end": last_step_end}, f)
     steady = rates[1:] or rates
     return {"tokens_per_s": statistics.median(steady), "best": max(steady)}
 

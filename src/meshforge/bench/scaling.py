@@ -1,7 +1,9 @@
 """`meshforge scale`: one job trained at several world sizes, and its scaling efficiency.
 
 Each size is a real `meshforge train` run (a subprocess, its own run directory
-OUT/world-N), so every figure comes from that run's report.json.
+OUT/world-N), so every figure comes from that run's report.json. Each `meshforge scale`
+measures anew: its runs start with `--fresh`, so a run directory left by an earlier
+scale of the same job is replaced, never resumed or extended.
 
 Scaling efficiency is the brief's definition (REFERENCES.md):
 
@@ -183,7 +185,7 @@ def _train(
     config: Path, n: int, run_dir: Path, overrides: list[str], timeout_s: float
 ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "meshforge", "train", str(config), "--nproc", str(n)]
-    cmd += ["--run-dir", str(run_dir)]
+    cmd += ["--run-dir", str(run_dir), "--fresh"]
     for assignment in overrides:
         cmd += ["--set", assignment]
     env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}

@@ -96,6 +96,9 @@ def slurm(
         config_file=files.config,
         lock=check_run_dir_free,  # the job's global rank 0 takes it when it runs
     )
+    if prepared.finished is not None:  # nothing to train: nothing written or submitted
+        print(prepared.finished)
+        return
     sbatch, node = sl.write_scripts(req, files, prepared.cfg.name)
     if dry_run:
         print(sbatch, end="")

@@ -27,7 +27,7 @@ from meshforge.cli.app import app
     add_help_option=False,
 )
 def train(ctx: typer.Context) -> None:
-    """Train a job on this node: CONFIG [--run-dir D] [--set K=V] [--trace STEPS]
+    """Train a job on this node: CONFIG [--run-dir D] [--set K=V] [--fresh] [--trace STEPS]
     [torchrun's flags] (--nproc-per-node N, --nnodes MIN:MAX, --rdzv-*, --standalone,
     --max-restarts, --iface NAME, ...). See `meshforge train --help`."""
     from meshforge.launch.local import launch_training

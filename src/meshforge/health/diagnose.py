@@ -116,7 +116,7 @@ def judge(ev: Evidence) -> dict[str, Any]:
     status = (ev.report or {}).get("status") if current else None
     if status == "completed" and ev.stopped_by is None:
         return _completed(ev)
-    if ev.stopped_by or status == "stopped":
+    if ev.stopped_by or status in ("stopped", "interrupted"):
         return _stopped(ev, status == "stopped")
     if ev.live:
         return _live(ev)

@@ -226,7 +226,11 @@ def collect(
             "node": r.flight.get("node", known.get("node")),
         }
     failed = agent is not None or any(r.status == "failed" for r in ranks.values())
-    finished = report is not None and report.get("status") in ("completed", "stopped")
+    finished = report is not None and report.get("status") in (
+        "completed",
+        "stopped",
+        "interrupted",  # the launcher's report of a stop its workers could not confirm
+    )
     live = not failed and not finished and stopped_by is None
     stamps = flight_times + [r.failure["time"] for r in ranks.values() if r.failure]
     now = time.time() if live or not stamps else max(stamps)

@@ -262,14 +262,22 @@ def run_elastic(
 def launch_training(argv: list[str]) -> int:
     """`meshforge train ARGV`: parse torchrun's flags, prepare the job, run the agent."""
     from meshforge.config import load_config
+    from meshforge.errors import ConfigError
     from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
     from meshforge.launch.train import layout_line, prepare_job, report_failure
 
     launch = parse_launch_args(argv)
     a = launch.args
+    if a.recalibrate:  # the workers inherit it (observe/machine_cache.py)
+        os.environ["MESHFORGE_RECALIBRATE"] = "1"
     cfg = load_config(a.config, a.overrides)
     check_gpu_count(launch.nproc_per_node, cfg.runtime.device, a.oversubscribe)
     multi = launch.max_nodes > 1
+    if a.fresh and multi:  # every node's agent would remove files its peers write
+        raise ConfigError(
+            "--fresh starts over on one node; for a multi-node job, remove the run "
+            "directory (or use another --run-dir) before launching it"
+        )
     from meshforge.runtime import runlock
 
     if multi:  # global rank 0's worker holds the run directory; the agents only check
@@ -292,10 +300,14 @@ def launch_training(argv: list[str]) -> int:
         run_dir=a.run_dir,
         config_name=config_name,
         lock=lock,
+        fresh=a.fresh,
     )
+    if job.finished is not None:  # nothing to train, nothing written
+        print(job.finished, flush=True)
+        return 0
     if not multi:
         runlock.mark_held_for_workers(job.run_dir)
-    for line in [job.auto_line, *(f"meshforge: {n}" for n in launch.notes)]:
+    for line in [job.auto_line, job.history_line, *(f"meshforge: {n}" for n in launch.notes)]:
         if line:
             print(line, flush=True)
     for warning in launch.warnings:
@@ -338,13 +350,28 @@ def launch_training(argv: list[str]) -> int:
         name = signal.Signals(exc.sigval).name
         from meshforge.health.diagnose import write_diagnosis
 
+        where = _where_to_resume(job.run_dir, launched)
+        if not multi:  # this launcher holds the run directory; its workers are gone
+            _report_interrupted(job, name, launched)
         write_diagnosis(job.run_dir, stopped_by=name)
-        print(f"meshforge: stopped by {name}; {_where_to_resume(job.run_dir, launched)}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"meshforge: stopped by {name}; {where}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     if diagnosis is None:
         return 0
     return report_failure(job.run_dir, diagnosis)
+
+
+def _report_interrupted(job: Any, signal_name: str, launched: float) -> None:
+    """report.json after a stop whose workers wrote none (stopped before they could
+    checkpoint): status interrupted, never at the cost of the stop itself."""
+    from meshforge.train.report import write_interrupted_report
+
+    try:
+        write_interrupted_report(
+            job.run_dir, signal_name, launched, job.cfg.name, job.cfg.train.steps
+        )
+    except Exception as exc:  # noqa: BLE001 - the stop must end in its one line
+        logging.getLogger(__name__).warning("no report after the stop: %s", exc)
 
 
 def _given(argv: list[str], flag: str, env: str) -> bool:

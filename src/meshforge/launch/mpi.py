@@ -326,6 +326,9 @@ def submit_mpi(
         run_dir=run_dir,
         lock=hold_run_dir,
     )
+    if prepared.finished is not None:  # nothing to train, nothing written
+        print(prepared.finished)
+        return 0
     if not dry_run:
         mark_held_for_workers(prepared.run_dir)  # before mpirun_command: it is forwarded
     if prepared.auto_line:

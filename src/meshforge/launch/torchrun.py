@@ -1,7 +1,7 @@
 """`meshforge train`'s command line: torchrun's own launch flags, taken from
 `torch.distributed.run`'s parser (so every flag, spelling and `PET_*` variable torchrun
 reads is read the same way), plus meshforge's own: the job, the run directory,
-overrides, `--trace`, `--iface` and `--oversubscribe`.
+overrides, `--fresh`, `--trace`, `--iface` and `--oversubscribe`.
 
 The flags become a `LaunchConfig` through torchrun's own `config_from_args`; what
 torchrun's `run()` does before that (`--standalone`, a single node without a
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Override a config key (repeatable).",
     )
     parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="Start over on a run directory that holds a run: remove the earlier run's "
+        "files first (without it, a finished run is left as it is and any other resumes).",
+    )
+    parser.add_argument(
         "--trace",
         metavar="STEPS",
         default=None,
@@ -69,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="Network interface for rendezvous and collectives: sets GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME and advertises its address (unless --local-addr is given).",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="Measure this machine again for the planner (matmul rate, optimizer, "
+        "all-reduce) instead of reusing the cached figures; the new ones replace them.",
     )
     parser.add_argument(
         "--oversubscribe",

@@ -16,6 +16,7 @@ from typing import Any
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import BUILTIN_PREFIX, check_source, load_tokens
 from meshforge.errors import ConfigError
+from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
 from meshforge.plan.auto import resolve_parallel_auto
 
 
@@ -92,6 +93,10 @@ class PreparedJob:
     world: int | None  # None while elastic (min < max nodes)
     auto_line: str | None = None
     run_lock: Any = None  # what `lock` returned: a held RunDirLock keeps the directory
+    # launch/rundir.py: the line to exit 0 with when the run there is finished (then
+    # nothing was written), and a line about the earlier run (removed, or extended)
+    finished: str | None = None
+    history_line: str | None = None
 
 
 def prepare_job(
@@ -105,6 +110,7 @@ def prepare_job(
     config_name: str = "config.yaml",
     config_file: Path | None = None,
     lock: Callable[[Path], Any] | None = None,
+    fresh: bool = False,
 ) -> PreparedJob:
     """Load, resolve and validate the job; create the run directory; write the config the
     workers read.
@@ -113,7 +119,11 @@ def prepare_job(
     here. Across nodes it is left for global rank 0 to resolve once the world is known;
     rank 0 then shares its config with every rank (train/worker.py), so two nodes can
     never train different layouts. The workers' config is written to `config_file`, else
-    to RUN_DIR/`config_name`."""
+    to RUN_DIR/`config_name`.
+
+    A run directory that holds a run already is decided first (launch/rundir.py): a
+    finished run writes nothing and returns `finished`; another model is refused;
+    `fresh` removes the earlier run once the directory is held."""
     cfg = load_config(config_path, overrides)
     worlds = [n * nproc_per_node for n in range(max_nodes, min_nodes - 1, -1)]
     world = worlds[0] if min_nodes == max_nodes else None
@@ -125,18 +135,23 @@ def prepare_job(
     else:
         validate_for_worlds(cfg, worlds)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
+    finished, history_line = check_earlier_run(cfg, run_dir, fresh)
+    target = Path(config_file) if config_file is not None else run_dir / config_name
+    if finished is not None:
+        return PreparedJob(cfg, run_dir, target, world, auto_line, finished=finished)
     # After validation (bad input writes nothing), before anything is written: another
     # job's run directory is refused here (runtime/runlock.py).
     run_lock = lock(run_dir) if lock is not None else None
+    if fresh:
+        history_line = remove_earlier_run(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
-    target = Path(config_file) if config_file is not None else run_dir / config_name
     target.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, target)
-    return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock)
+    return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock, None, history_line)
 
 
 def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:

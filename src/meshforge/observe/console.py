@@ -206,6 +206,33 @@ def _loss_text(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "n/a"
 
 
+def segment_text(segment: dict[str, Any]) -> str:
+    """One segment of a run (report.json's `segments`, train/segments.py) in a line:
+    `steps 11-20 on 1 rank (dp=1 tp=1 pp=1 zero=0): completed`."""
+    begun, last = segment.get("start_step") or 0, segment.get("end_step") or 0
+    steps = f"steps {begun + 1}-{last}" if last > begun else f"no step (at step {last})"
+    layout = segment.get("layout") if isinstance(segment.get("layout"), dict) else {}
+    dims = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "zero") if k in layout)
+    world = segment.get("world_size")
+    ranks = f" on {world} rank{'' if world == 1 else 's'}" if world is not None else ""
+    why = str(segment.get("ended") or "unknown")
+    if segment.get("signal"):
+        why += f" ({segment['signal']})"
+    return f"{steps}{ranks}" + (f" ({dims})" if dims else "") + f": {why}"
+
+
+def _segments_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """A run trained in more than one segment (resumed, restarted, extended): each one,
+    and the steps trained in all (steps trained twice count twice)."""
+    segments = [s for s in report.get("segments") or [] if isinstance(s, dict)]
+    if len(segments) < 2:
+        return []
+    return [
+        ("segments", "\n".join(segment_text(s) for s in segments)),
+        ("steps trained", str(report.get("steps_trained", "n/a"))),
+    ]
+
+
 def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     """The pipeline bubble (measured beside the formula) and the TP collective time."""
     rows = []
@@ -262,6 +289,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
             "\n".join(f"rank {r}: {format_bytes(v)}" for r, v in peaks) or "n/a",
         ),
         ("resumed from step", "no" if resumed is None else str(resumed)),
+        *_segments_rows(report),
     ]
     table = Table(title="run summary", show_header=False, title_justify="left")
     table.add_column("field", style="bold")

@@ -6,10 +6,11 @@ Content-Security-Policy forbids every load, so it reads the same from a laptop, 
 artefact or a cluster's shared disk. Every text taken from a run is escaped.
 
 What it reads, each part optional (a plot without data says why in its place):
-RUN_DIR/report.json (absent while the run runs), metrics.jsonl (a resumed run's later
-rows for a step replace earlier ones), config.yaml, and system/*.jsonl (one file per
-node). Plots, by figure id: plot-loss, plot-throughput, plot-memory, plot-breakdown,
-plot-network, plot-step-time, drawn by observe/svg.py.
+RUN_DIR/report.json (absent while the run runs), metrics.jsonl (the latest row of
+each step: a resumed run's later segment replaces the rows it trained again),
+config.yaml, and system/*.jsonl (one file per node). Plots, by figure id: plot-loss,
+plot-throughput, plot-memory, plot-breakdown, plot-network, plot-step-time, drawn by
+observe/svg.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ import yaml
 
 from meshforge.errors import ConfigError, DataError, MeshforgeError
 from meshforge.fileio import write_text_atomic
-from meshforge.observe.console import format_bytes, format_duration, format_percent
-from meshforge.observe.metrics import read_jsonl
-from meshforge.observe.plots import _merge_by_step, _number, _series
+from meshforge.observe.console import (
+    format_bytes,
+    format_duration,
+    format_percent,
+    segment_text,
+)
+from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.observe.plots import _number, _series
 from meshforge.observe.svg import Line, bar_chart, line_chart, stack_chart, tick
 
 if TYPE_CHECKING:
@@ -73,7 +79,7 @@ def load_run(run_dir: str | Path) -> Run:
     if not metrics.is_file() and not report_path.is_file():
         raise DataError(f"{path}: no metrics.jsonl nor report.json (not a meshforge run directory)")
     report = _read_report(report_path) if report_path.is_file() else {}
-    rows = _merge_by_step(_read_rows(metrics)) if metrics.is_file() else []
+    rows = latest_rows(_read_rows(metrics)) if metrics.is_file() else []
     config_path = path / "config.yaml"
     config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
     try:
@@ -649,6 +655,9 @@ def _about(run: Run) -> list[tuple[str, str]]:
             str(r.get("resumed_from") if r.get("resumed_from") is not None else "no"),
         ),
     ]
+    segments = [s for s in _list(r.get("segments")) if isinstance(s, dict)]
+    if len(segments) > 1:  # resumed, restarted or extended: each launch, and why it ended
+        rows += [(f"segment {i}", segment_text(s)) for i, s in enumerate(segments, start=1)]
     failure = r.get("failure")
     if isinstance(failure, dict):
         first = (

@@ -20,8 +20,10 @@ memory      host RAM on a CPU (shared by the ranks), the device's memory on a GP
             (`runtime_bytes`, added to the predicted total to compare with peak RSS).
 
 Every rank measures; the slowest figures are kept (all-reduce MAX), so all ranks hold
-the same profile. It takes about a second, and is measured afresh for every run: a
-figure cached while colleagues' jobs shared the cores would mislead every later run.
+the same profile. It takes about a second, once per machine and configuration: the
+raw figures are cached (observe/machine_cache.py) and reused by later runs, and
+`meshforge train --recalibrate` measures again (say, after the machine changed, or
+when the cached figures were taken while other jobs shared the cores).
 """
 
 from __future__ import annotations
@@ -368,23 +370,69 @@ def _time_job(
     return compute, HostCosts(1.0 / plain, 1.0 / sharded)
 
 
+def _job_key(cfg: JobConfig | None, mesh: Any) -> dict[str, Any] | None:
+    """What the job's own timings depend on (the model's shape, the micro-batch, and
+    the shards the sharded optimizer step runs on)."""
+    if cfg is None:
+        return None
+    return {
+        "name": cfg.model.name,
+        "model": cfg.model.model_dump(),
+        "micro_batch": cfg.train.micro_batch,
+        "sharded_over": mesh.size() if mesh is not None else None,
+    }
+
+
+def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:
+    """The cached measurements as the group's first rank reads them, on every rank
+    (None: measure), so that all ranks take the same path through the collectives."""
+    from meshforge.observe import machine_cache
+
+    found = None if machine_cache.recalibrating() else machine_cache.load(key)
+    if _world(group) == 1:
+        return found
+    box = [found]
+    dist.broadcast_object_list(box, group_src=0, group=group, device=device)
+    return box[0]
+
+
 def _measure_profile(device, dtype, group, cfg, threads) -> MeasuredProfile:
+    from meshforge.observe import machine_cache
+
     mesh = group if hasattr(group, "get_group") else None  # a DeviceMesh
     group = mesh.get_group() if mesh is not None else group
     world = _world(group)
     threads = threads or torch.get_num_threads()
     runtime = _runtime_bytes(device, cfg, world) if cfg is not None else 0.0
-    peak, peak_source = peak_matmul_flops(device, dtype, threads)
-    compute, host = _time_job(cfg, dtype, device, group, mesh) if cfg else (None, None)
-    points = measure_allreduce(device, group)
-    memory, per_device = _memory_bytes(device)
     backend = dist.get_backend(group) if dist.is_initialized() else "none"
-    measured = MachineMeasurements(
-        device.type, backend, threads, world, peak, peak_source, memory, per_device,
-        compute, host, points,
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    key = machine_cache.measurement_key(
+        machine=gpu, device_type=device.type, backend=backend, dtype=dtype,
+        threads=threads, world=world, job=_job_key(cfg, mesh),
     )  # fmt: skip
+    cached = _agreed_cache_entry(key, device, group)
+    if cached is not None:
+        measured, entry = cached
+        taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["measured_at"]))
+        log.info(
+            "machine profile from the cache (measured %s; --recalibrate measures again)", taken
+        )
+    else:
+        (when,) = _max_across([time.time()], device, group)  # one time on every rank
+        peak, peak_source = peak_matmul_flops(device, dtype, threads)
+        compute, host = _time_job(cfg, dtype, device, group, mesh) if cfg else (None, None)
+        points = measure_allreduce(device, group)
+        memory, per_device = _memory_bytes(device)
+        measured = MachineMeasurements(
+            device.type, backend, threads, world, peak, peak_source, memory, per_device,
+            compute, host, points,
+        )  # fmt: skip
+        if world == 1 or dist.get_rank() == 0:
+            machine_cache.save(key, measured, when)
     profile, host = fit_profile(measured)
-    if compute is not None and (world == 1 or dist.get_rank() == 0):
+    if measured.compute is not None and (world == 1 or dist.get_rank() == 0):
         remember_profile(profile, host, measured)
     details = measurement_record(measured, host)
+    details["cached"] = cached is not None
+    details["measured_at"] = entry["measured_at"] if cached is not None else when
     return MeasuredProfile(profile, details, runtime, host if device.type == "cpu" else None)

@@ -108,3 +108,31 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             )
         records.append(record)
     return records
+
+
+def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step, in step order: the latest row of each step.
+
+    A run resumed from an earlier checkpoint trains some steps again. Each row carries
+    the number of the segment that wrote it (train/segments.py): where a new segment's
+    rows begin, they replace every earlier segment's row from that step on, whole, so a
+    step trained twice reads as its latest training and the steps a crashed segment did
+    beyond the checkpoint its successor resumed from (abandoned, never to be trained
+    from) are left out. Rows of one segment for the same step (or rows without a
+    segment, as older runs wrote them) are merged, later values winning. A record
+    without a numeric step keeps its place by its index."""
+    merged: dict[float, dict[str, Any]] = {}
+    segment: Any = None
+    for index, record in enumerate(records):
+        step = record.get("step")
+        numeric = isinstance(step, int | float) and not isinstance(step, bool)
+        key = float(step) if numeric and math.isfinite(step) else float(index)
+        values = {k: v for k, v in record.items() if v is not None and k != "step"}
+        if numeric and values.get("segment") not in (None, segment):
+            segment = values["segment"]  # a new segment: it trains from here on
+            merged = {k: row for k, row in merged.items() if k < key}
+        earlier = merged.get(key)
+        if earlier is not None and earlier.get("segment") != values.get("segment"):
+            earlier = None
+        merged[key] = {**(earlier or {"step": step if numeric else key}), **values}
+    return [merged[k] for k in sorted(merged)]

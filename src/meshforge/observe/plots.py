@@ -16,6 +16,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from meshforge.observe.metrics import latest_rows
+
 _BREAKDOWN = (
     ("data_s", "data"),
     ("compute_s", "compute"),
@@ -35,21 +37,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
-
-
-def _merge_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, in step order; later rows for a step update earlier ones.
-
-    A resumed run logs again the steps after its checkpoint, and a validation
-    row may share its step with a training row."""
-    merged: dict[float, dict[str, Any]] = {}
-    for index, record in enumerate(records):
-        step = _number(record.get("step"))
-        key = step if step is not None else float(index)
-        merged.setdefault(key, {"step": key}).update(
-            {k: v for k, v in record.items() if v is not None and k != "step"}
-        )
-    return [merged[k] for k in sorted(merged)]
 
 
 def _series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list, list]:
@@ -85,10 +72,21 @@ def _loss_panel(ax: Axes, rows: list[dict]) -> None:
         ax.plot(*train, label="train", marker="o" if len(train[0]) < 3 else None)
     if val[0]:
         ax.plot(*val, label="val", marker="o", linestyle="--")
+    for step in _segment_starts(rows):
+        ax.axvline(step, color="#8c8c8c", linestyle=":", linewidth=1)
     if train[0] or val[0]:
         ax.legend()
     else:
         _no_data(ax)
+
+
+def _segment_starts(rows: list[dict[str, Any]]) -> list[float]:
+    """Where a later segment's rows take over (a resume or restart): its first step - 1."""
+    starts = []
+    for before, row in zip(rows, rows[1:], strict=False):
+        if row.get("segment") is not None and row.get("segment") != before.get("segment"):
+            starts.append(float(before["step"]))
+    return starts
 
 
 def _breakdown_fractions(row: dict[str, Any]) -> list[float] | None:
@@ -128,8 +126,9 @@ def _breakdown_panel(ax: Axes, rows: list[dict]) -> None:
 
 
 def plot_report(records: list[dict[str, Any]], out_png: str | os.PathLike[str]) -> None:
-    """Write a 2x2 figure of ``metrics.jsonl`` rows to ``out_png`` (atomically)."""
-    rows = _merge_by_step(records)
+    """Write a 2x2 figure of ``metrics.jsonl`` rows to ``out_png`` (atomically): the
+    latest row of each step, with a dotted line where a later segment took over."""
+    rows = latest_rows(records)
     figure = Figure(figsize=(12, 8), layout="constrained")
     FigureCanvasAgg(figure)
     (loss_ax, tput_ax), (mem_ax, time_ax) = figure.subplots(2, 2)

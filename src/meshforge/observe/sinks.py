@@ -134,7 +134,13 @@ class TensorBoardSink:
 class WandbSink:
     """A Weights & Biases run in RUN_DIR/wandb (offline unless configured online)."""
 
-    def __init__(self, run_dir: Path, cfg: Any) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Any,
+        redone: tuple[int, int] | None = None,
+        warn: Warn = log.warning,
+    ) -> None:
         import wandb
 
         w = cfg.observe.wandb
@@ -157,8 +163,20 @@ class WandbSink:
             settings=wandb.Settings(silent=True, console="off"),
         )
         self.where = folder if w.mode == "offline" else self.run.url
+        # steps an earlier segment logged and this one trains again: a W&B run takes
+        # steps in rising order only (its rewind is a private preview), so it keeps the
+        # earlier values; they are not sent again
+        self.logged_through = redone[1] if redone else 0
+        if redone:
+            warn(
+                f"Weights & Biases keeps the earlier segment's values of steps {redone[0]}-"
+                f"{redone[1]}, trained again now (a W&B run cannot log a step twice); "
+                "metrics.jsonl and TensorBoard have the latest"
+            )
 
     def write(self, row: dict[str, Any]) -> None:
+        if int(row["step"]) <= self.logged_through:
+            return
         values = {k: v for k in _TB_TAGS if (v := _finite(row.get(k))) is not None}
         self.run.log(values, step=int(row["step"]))
 
@@ -360,9 +378,11 @@ def open_sinks(
     here: dict[str, Any],
     warn: Warn,
     resumed_from: int | None = None,
+    logged_through: int | None = None,
 ) -> Sinks:
     """The sinks this process runs: rank 0 writes rows to TensorBoard and W&B; a node's
-    first rank serves its Prometheus endpoint."""
+    first rank serves its Prometheus endpoint. `logged_through`: the newest step an
+    earlier segment logged (steps after `resumed_from` up to it are trained again)."""
     o = cfg.observe
     sinks = Sinks(warn)
     if rank == 0 and o.tensorboard:
@@ -370,7 +390,11 @@ def open_sinks(
             "TensorBoard", lambda: TensorBoardSink(Path(run_dir) / "tensorboard", resumed_from)
         )
     if rank == 0 and o.wandb is not None:
-        sinks.wandb = sinks.add("Weights & Biases", lambda: WandbSink(Path(run_dir), cfg))
+        start = (resumed_from or 0) + 1
+        redone = (start, logged_through) if logged_through and logged_through >= start else None
+        sinks.wandb = sinks.add(
+            "Weights & Biases", lambda: WandbSink(Path(run_dir), cfg, redone, warn)
+        )
     if local_rank == 0 and o.prometheus_port:
         port, addr = o.prometheus_port, o.prometheus_addr
         sinks.exporter = sinks.add(

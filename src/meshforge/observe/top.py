@@ -46,7 +46,7 @@ from meshforge.errors import DataError
 from meshforge.observe.console import format_bytes, format_duration, format_percent
 from meshforge.runtime import runlock
 
-FINAL_STATUSES = ("completed", "failed", "stopped")
+FINAL_STATUSES = ("completed", "failed", "stopped", "interrupted")
 # What a run directory holds from the moment its launcher takes it.
 _RUN_MARKERS = (runlock.LOCK_FILE, "config.yaml", "report.json", "metrics.jsonl", "health")
 _FLIGHT_FILE = re.compile(r"flight-rank-(\d+)\.json")
@@ -141,13 +141,14 @@ def _flight_records(health: Path) -> dict[int, dict[str, Any] | None]:
 
 
 def _trailing_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest rows whose steps rise (a resumed run logs its steps again)."""
+    """The newest segment's rows, whose steps rise (a resumed run logs its steps again:
+    its rows carry the segment's number, train/segments.py)."""
     run: list[dict[str, Any]] = []
     for row in reversed(rows):
         step = _num(row.get("step"))
         if step is None:
             continue
-        if run and step >= run[0]["step"]:
+        if run and (step >= run[0]["step"] or row.get("segment") != run[0].get("segment")):
             break
         run.insert(0, row)
     return run
@@ -214,6 +215,10 @@ def _report_note(report: dict[str, Any]) -> str | None:
             signal = f" ({stopped['signal']})" if stopped.get("signal") else ""
             return f"stopped after step {stopped.get('step')}{signal}, checkpoint written"
         return f"stopped: {stopped}"
+    if report.get("status") == "interrupted" and isinstance(stopped, dict):
+        at = report.get("last_checkpoint")
+        last = f"last checkpoint at step {at}" if at is not None else "no checkpoint"
+        return f"interrupted by {stopped.get('signal') or 'a signal'} before a checkpoint; {last}"
     return None
 
 

@@ -1,8 +1,10 @@
 """Stopping together, and deadlines.
 
-**Stop on SIGTERM.** A scheduler's time limit, a preemption or an eviction sends
-SIGTERM, to every worker (srun) or to the launcher, which passes it on (the elastic
-agent), or to one node only (a Kubernetes eviction). The handler only sets a flag.
+**Stop on SIGTERM or Ctrl-C.** A scheduler's time limit, a preemption or an eviction
+sends SIGTERM, to every worker (srun) or to the launcher, which passes it on (the elastic
+agent), or to one node only (a Kubernetes eviction); Ctrl-C on `meshforge train` reaches
+the workers as SIGINT the same way. The handler only sets a flag (a second SIGINT raises
+KeyboardInterrupt as usual: a user who presses Ctrl-C twice means now).
 Every step each rank contributes its flag to a tiny MAX all-reduce on a gloo group of
 its own, issued when the step starts and read when it ends (so it overlaps the step
 and costs no GPU synchronisation); when any rank has been told to stop, every rank
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 class StopControl:
     """The job-wide "stop after this step" decision."""
 
-    def __init__(self, world_size: int, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(
+        self, world_size: int, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    ) -> None:
         self.requested_by: str | None = None  # the signal this rank received, if any
         self._flag = torch.zeros(1)
         self._work = None
@@ -41,6 +45,8 @@ class StopControl:
                 signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002 - signal API
+        if signum == signal.SIGINT and self.requested_by == "SIGINT":
+            raise KeyboardInterrupt
         if self.requested_by is None:
             self.requested_by = signal.Signals(signum).name
             log.warning(

@@ -3,8 +3,12 @@ torchtitan's OptimizersContainer), or ZeRO-1's sharded AdamW; the learning rate
 as a pure function of the step; the fp16 loss scaler; and their state as flat,
 name-keyed dicts that `torch.distributed.checkpoint` can reshard.
 
-The learning rate is `lr * lr_factor(step)` (train/schedule.py), set before every
-optimizer step, so resuming needs only the step number, never a scheduler object.
+The learning rate is `lr * lr_factor(step, warmup, lr_horizon, min_lr_ratio)`
+(train/schedule.py), set before every optimizer step, so resuming needs only the step
+number and the horizon, never a scheduler object. The horizon is fixed when a run starts
+(its first segment's `train.steps`) and kept in every checkpoint: a run extended or
+shortened later keeps its schedule, and steps past the horizon train at the final
+learning rate, `lr * min_lr_ratio`, so an extension never makes the learning rate jump.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class Optimizers:
     ) -> None:
         t = cfg.train
         self.cfg, self.parts = cfg, parts
+        # the schedule's length: this run's first train.steps (a resume sets it back)
+        self.lr_horizon = t.steps
         adam: dict[str, Any] = {"lr": t.lr, "betas": (t.beta1, t.beta2)}
         if device.type == "cuda":
             adam["fused"] = True
@@ -66,7 +72,7 @@ class Optimizers:
     # -- the step --------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
         t = self.cfg.train
-        return t.lr * lr_factor(step, t.warmup, t.steps, t.min_lr_ratio)
+        return t.lr * lr_factor(step, t.warmup, self.lr_horizon, t.min_lr_ratio)
 
     def set_lr(self, step: int) -> None:
         lr = self.lr_at(step)

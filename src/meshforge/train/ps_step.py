@@ -80,10 +80,22 @@ class ParameterServerOptimizers:
         # per server: the version of its parameters this worker holds (the last reply's)
         self.seen = [0] * plan.servers
         self.version = 0  # a server's parameter versions so far
+        self.lr_horizon = cfg.train.steps
+
+    @property
+    def lr_horizon(self) -> int:
+        """The schedule's length (train/optim.py); a server's optimizer follows it."""
+        return self._lr_horizon
+
+    @lr_horizon.setter
+    def lr_horizon(self, steps: int) -> None:
+        self._lr_horizon = steps
+        if self.inner is not None:
+            self.inner.lr_horizon = steps
 
     def lr_at(self, step: int) -> float:
         t = self.cfg.train
-        return t.lr * lr_factor(step, t.warmup, t.steps, t.min_lr_ratio)
+        return t.lr * lr_factor(step, t.warmup, self.lr_horizon, t.min_lr_ratio)
 
     def set_lr(self, step: int) -> None:
         if self.inner is not None:

@@ -1,4 +1,12 @@
-"""report.json and report.png of a run (schema in DESIGN.md)."""
+"""report.json and report.png of a run (schema in DESIGN.md).
+
+The report covers the whole run, every segment of it (train/segments.py): the first
+loss is the run's first step's, rates, step time and the time breakdown are medians
+and sums over the latest row of every step actually trained (each segment's first
+logged interval, which includes its start-up, left out), and `segments` lists each
+launch or restart with its steps, layout, world size and why it ended. Per-rank figures
+(memory, model state, communication bytes, stragglers) are the last segment's: its
+layout is the one they describe."""
 
 from __future__ import annotations
 
@@ -9,9 +17,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshforge.observe.metrics import read_jsonl
+from meshforge.observe.metrics import latest_rows, read_jsonl
 from meshforge.observe.peak import PeakFlops
 from meshforge.runtime.agree import count_nodes
+from meshforge.train.segments import segments_of
 
 if TYPE_CHECKING:
     from meshforge.train.trainer import Trainer
@@ -26,17 +35,62 @@ def _median(values: list[float]) -> float | None:
 
 def time_breakdown(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     """Fractions of the logged steps' time spent on data, compute, exposed comm, other."""
-    total = sum(r["step_time_s"] for r in rows)
+    total = sum(r.get("step_time_s") or 0.0 for r in rows)
     if total <= 0:
         return None
     parts = {
-        "data": sum(r["data_s"] for r in rows),
-        "compute": sum(r["compute_s"] for r in rows),
-        "exposed_comm": sum(r["comm_s"] or 0.0 for r in rows),
+        "data": sum(r.get("data_s") or 0.0 for r in rows),
+        "compute": sum(r.get("compute_s") or 0.0 for r in rows),
+        "exposed_comm": sum(r.get("comm_s") or 0.0 for r in rows),
         "pipeline_bubble": sum(r.get("bubble_s") or 0.0 for r in rows),
     }
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {k: v / total for k, v in parts.items()}
+
+
+def run_history(
+    run_dir: Path, own_rows: list[dict[str, Any]] | None = None, segment: int | None = None
+) -> dict[str, Any]:
+    """The run's metrics over every segment: `rows` (the latest row of each step, in step
+    order), `steady` (those rows without each segment's first logged interval, which
+    includes its start-up; all rows when nothing else is left) and `segments`. The
+    segment's own rows stand in when metrics.jsonl could not be written or read."""
+    try:
+        records = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    except (OSError, ValueError):
+        records = []
+    if own_rows and not any(r.get("segment") == segment for r in records):
+        records = [*records, *own_rows]
+    rows = latest_rows(records)
+    first_logged: dict[Any, Any] = {}  # segment -> the first step it logged
+    for r in records:
+        first_logged.setdefault(r.get("segment"), r.get("step"))
+    steady = [r for r in rows if first_logged.get(r.get("segment")) != r.get("step")]
+    return {
+        "rows": rows,
+        "steady": steady or rows,
+        "segments": segments_of(Path(run_dir), records),
+    }
+
+
+def history_figures(history: dict[str, Any]) -> dict[str, Any]:
+    """report.json's whole-run figures from `run_history`: plain values, no torch."""
+    rows, steady, segments = history["rows"], history["steady"], history["segments"]
+    walls = [s.get("wall_s") for s in segments]
+    return {
+        "first_loss": rows[0].get("loss") if rows else None,
+        "final_loss": rows[-1].get("loss") if rows else None,
+        "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
+        "mfu": _median([r.get("mfu") for r in steady]),
+        "step_time_s": _median([r.get("step_time_s") for r in steady]),
+        "time_breakdown": time_breakdown(steady),
+        "data_wait_fraction": _median([r.get("data_wait_fraction") for r in steady]),
+        # the logged steps the medians and the breakdown are taken over
+        "measured_steps": len(steady),
+        "steps_trained": sum(max(0, s["end_step"] - s["start_step"]) for s in segments),
+        "segments": segments,
+        "wall_time_s": sum(w for w in walls if w is not None) if segments else None,
+    }
 
 
 def build_report(
@@ -51,13 +105,12 @@ def build_report(
     digest: str,
     wall_s: float,
     data_wait_s: float,
+    segment: int | None = None,
 ) -> dict[str, Any]:
     cfg = trainer.cfg
-    history = read_jsonl(trainer.run_dir / "metrics.jsonl")  # includes earlier attempts
-    # The first logged interval includes start-up; leave it out of rates when we can.
-    steady = rows[1:] if len(rows) > 1 else rows
-    tokens_per_s = _median([r["tokens_per_s"] for r in steady])
-    mfu = _median([r["mfu"] for r in steady])
+    history = run_history(trainer.run_dir, rows, segment)
+    figures = history_figures(history)
+    steady = history["steady"]
     report: dict[str, Any] = {
         "status": "completed",
         "name": cfg.name,
@@ -71,20 +124,21 @@ def build_report(
         "model_params": trainer.params.total,
         "model_params_non_embedding": trainer.params.non_embedding,
         "flops_per_token": trainer.flops_per_token,
-        "first_loss": history[0]["loss"] if history else None,
-        "final_loss": rows[-1]["loss"] if rows else None,
+        "first_loss": figures["first_loss"],
+        "final_loss": figures["final_loss"],
         "val_loss": val_loss,
-        "tokens_per_s": tokens_per_s,
-        "mfu": mfu,
+        "tokens_per_s": figures["tokens_per_s"],
+        "mfu": figures["mfu"],
+        "measured_steps": figures["measured_steps"],
         "peak_flops": {
             "flops_per_s": peak.flops_per_s,
             "source": peak.source,
             "device": peak.device_name,
         },
-        "step_time_s": _median([r["step_time_s"] for r in steady]),
-        "time_breakdown": time_breakdown(steady),
-        "data_wait_s": data_wait_s,
-        "data_wait_fraction": _median([r.get("data_wait_fraction") for r in steady]),
+        "step_time_s": figures["step_time_s"],
+        "time_breakdown": figures["time_breakdown"],
+        "data_wait_s": data_wait_s,  # this segment's
+        "data_wait_fraction": figures["data_wait_fraction"],
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "memory_health": {
@@ -95,13 +149,18 @@ def build_report(
         },
         "pipeline": pipeline_summary(trainer, per_rank),
         # tensor-parallel collectives in one profiled step (rank 0), seconds and share
-        "tp_comm": _tp_comm(rows, _median([r["step_time_s"] for r in steady])),
+        "tp_comm": _tp_comm(history["rows"], figures["step_time_s"]),
         "communication": communication(trainer, steady, per_rank),
         "predicted": predicted_for(trainer),
         "resumed_from": resumed_from,
         "last_checkpoint": last_checkpoint,
         "final_param_digest": digest,
-        "wall_time_s": wall_s,
+        # every segment's, crashed ones up to their last logged step (this one's alone
+        # when there is no segment record)
+        "wall_time_s": figures["wall_time_s"] if figures["segments"] else wall_s,
+        "lr_horizon": trainer.optimizers.lr_horizon,
+        "steps_trained": figures["steps_trained"],
+        "segments": figures["segments"],
         "stragglers": [
             {"rank": r, "host": (per_rank[r].get("host") or {}).get("host"), "slowdown": x}
             for r, x in sorted(trainer.stragglers.named.items())
@@ -125,7 +184,7 @@ def communication(
     """Exposed communication (seconds per step and share of the step, with how it was
     measured), bytes per step per rank, and what each host sent on the wire."""
     p = trainer.cfg._parallel()
-    step_s = _median([r["step_time_s"] for r in steady])
+    step_s = _median([r.get("step_time_s") for r in steady])
     exposed = _median([r.get("comm_s") for r in steady])
     comm = [r.get("comm") or {} for r in per_rank]
     hosts: list[dict[str, Any]] = []  # one per node: what its first rank read
@@ -255,15 +314,66 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
 
 
 def write_failure_report(run_dir: Path, failure: dict[str, Any]) -> None:
+    """report.json of a run whose workers failed: the last report's fields, the failure,
+    and the whole-run figures up to the failure (its segment listed as crashed)."""
+    _update_report(run_dir, {"status": "failed", "failure": failure})
+
+
+def write_interrupted_report(
+    run_dir: Path, signal_name: str, launched: float, name: str, steps: int
+) -> bool:
+    """The launcher's report after Ctrl-C (or SIGTERM) when its workers wrote none since
+    `launched`: status `interrupted`, the signal, the newest checkpoint and the whole-run
+    figures; the workers' open segment is closed as stopped. False when the workers'
+    own report stands (they stopped with a checkpoint). Only a launcher that holds the
+    run directory calls it, once its workers are gone."""
+    run_dir = Path(run_dir)
+    path = run_dir / "report.json"
+    try:
+        if path.stat().st_mtime >= launched:
+            status = json.loads(path.read_text()).get("status")
+            if status in ("stopped", "completed"):
+                return False
+    except (OSError, ValueError, AttributeError):
+        pass
+    from meshforge.train.checkpoint import list_checkpoints
+    from meshforge.train.segments import close_segment, open_segment_number
+
+    segment = open_segment_number(run_dir)
+    if segment is not None:
+        last = run_history(run_dir)["segments"][-1]
+        close_segment(run_dir, segment, last["end_step"], "stopped", signal=signal_name)
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    _update_report(run_dir, {
+        "status": "interrupted",
+        "name": name,
+        "steps": steps,
+        "stopped": {"signal": signal_name, "step": None},
+        "last_checkpoint": checkpoints[-1][0] if checkpoints else None,
+    })  # fmt: skip
+    return True
+
+
+def _update_report(run_dir: Path, fields: dict[str, Any]) -> None:
+    """Rewrite report.json with the whole-run figures and `fields` over what it held."""
     run_dir = Path(run_dir)
     path = run_dir / "report.json"
     report: dict[str, Any] = {}
     if path.exists():
         try:
             report = json.loads(path.read_text())
-        except json.JSONDecodeError:
+        except (OSError, json.JSONDecodeError):
             report = {}
-    report.update({"status": "failed", "failure": failure})
+    if not isinstance(report, dict):
+        report = {}
+    try:
+        figures = history_figures(run_history(run_dir))
+    except Exception as exc:  # the failure being reported matters more than its figures
+        log.warning("no whole-run figures for the report: %s", exc)
+        figures = {}
+    if figures.get("segments"):
+        report.update(figures)
+    report.update(fields)
     tmp = run_dir / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, path)

@@ -38,7 +38,7 @@ from meshforge.observe.flight import FlightRecorder
 from meshforge.observe.machine import measure_profile
 from meshforge.observe.memhealth import cuda_memory_stats, memory_advice
 from meshforge.observe.memory import current_memory_bytes, peak_memory_bytes, tensor_bytes
-from meshforge.observe.metrics import JsonlSink
+from meshforge.observe.metrics import JsonlSink, read_jsonl
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
@@ -53,6 +53,7 @@ from meshforge.train import faults
 from meshforge.train.checkpoint import Checkpointer
 from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report
+from meshforge.train.segments import close_segment, open_segment
 from meshforge.train.step import StepResult, cross_entropy
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class Trainer:
         # what this rank is doing (observe/flight.py); a disabled one when not given
         self.flight = flight or FlightRecorder(run_dir, rt.rank, rt.world_size, enabled=False)
         self.strategy.flight = self.flight
-        self.stop = StopControl(rt.world_size)  # SIGTERM: checkpoint and leave together
+        self.stop = StopControl(rt.world_size)  # SIGTERM, Ctrl-C: checkpoint, leave together
         self.stopped: dict[str, Any] | None = None
         self.stragglers = StragglerWatch(
             rt.world_size, cfg.observe.straggler_margin, cfg.observe.straggler_intervals
@@ -119,6 +120,7 @@ class Trainer:
         self.tp_comm_s: float | None = None  # latest profiled TP collective time
         self.sampler: SystemSampler | None = None  # the node's, on its first rank
         self.memory_advice: dict[str, str] = {}  # the newest advice of each kind
+        self.segment: int | None = None  # this segment's number (train/segments.py), rank 0
 
     # -- what the report and checkpoints record ------------------------------------------
     def layout(self) -> dict[str, Any]:
@@ -138,6 +140,7 @@ class Trainer:
             "world_size": self.rt.world_size,
             "layout": self.layout(),
             "lr": self.optimizers.lr_at(max(0, step - 1)),
+            "lr_horizon": self.optimizers.lr_horizon,  # fixed when the run started
             "scaler": scaler.state_dict() if scaler is not None else None,
             "data": {"seed": self.cfg.train.seed, "next_step": step},
             "loss": last_loss,
@@ -206,6 +209,9 @@ class Trainer:
         scaler = self.optimizers.scaler
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
+        # the schedule keeps the horizon the run started with (checkpoints written before
+        # it was recorded: this launch's train.steps, as they were resumed then)
+        self.optimizers.lr_horizon = int(state.get("lr_horizon") or self.cfg.train.steps)
         return int(state["step"])
 
     def _reference_compute_s(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -284,6 +290,16 @@ class Trainer:
         start = resumed_from or 0
         if rt.is_main:
             self._record_restart(resumed_from)
+            self.segment = open_segment(
+                self.run_dir,
+                start_step=start,
+                steps=t.steps,
+                lr_horizon=self.optimizers.lr_horizon,
+                world_size=rt.world_size,
+                layout=self.layout(),
+                run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                attempt=self.flight.attempt,
+            )
         loader: DistributedBatchLoader | NoBatches = NoBatches(start)  # a parameter server
         if self.engine.reads_data:
             loader = DistributedBatchLoader(
@@ -469,6 +485,15 @@ class Trainer:
             tracer.merge(rt.world_size)
         report = None
         if rt.is_main:
+            stopped = self.stopped or {}
+            close_segment(
+                self.run_dir,
+                self.segment,
+                stopped.get("step", max(start, t.steps)),
+                "stopped" if self.stopped else "completed",
+                wall_s=time.perf_counter() - started,
+                **({"signal": stopped["signal"]} if stopped.get("signal") else {}),
+            )
             report = build_report(
                 trainer=self,
                 rows=rows,
@@ -480,6 +505,7 @@ class Trainer:
                 digest=digest,
                 wall_s=time.perf_counter() - started,
                 data_wait_s=loader.total_wait_s,
+                segment=self.segment,
             )
             write_report(self.run_dir, report)
         return report or {}
@@ -526,6 +552,8 @@ class Trainer:
             row["tp_comm_s"] = result.tp_comm_s
         if self.optimizers.scaler is not None:
             row["loss_scale"] = float(self.optimizers.scaler.get_scale())
+        if self.segment is not None:  # a step trained again later has a newer row
+            row["segment"] = self.segment
         return row
 
     # -- observing ----------------------------------------------------------------------------
@@ -534,8 +562,11 @@ class Trainer:
         by `stack` however the run ends."""
         o, rt = self.cfg.observe, self.rt
         here = host_of_rank()
+        logged = None  # what an earlier segment logged to W&B, which cannot take it again
+        if rt.rank == 0 and o.wandb is not None and resumed_from is not None:
+            logged = _last_logged_step(self.run_dir / "metrics.jsonl")
         sinks = open_sinks(self.cfg, self.run_dir, rt.rank, rt.env.local_rank, here, self._warn,
-                           resumed_from)  # fmt: skip
+                           resumed_from, logged)  # fmt: skip
         stack.callback(sinks.close)
         where = []
         if sinks.exporter is not None:
@@ -685,6 +716,15 @@ class Trainer:
         # per device that runs the model: parameter servers run none of its FLOPs
         per_device = tokens_per_s * self.flops_per_token / self.dims.compute_ranks
         return per_device / peak.flops_per_s
+
+
+def _last_logged_step(path: Path) -> int | None:
+    """The newest step in metrics.jsonl (None when there is none to read)."""
+    try:
+        steps = [r.get("step") for r in read_jsonl(path)]
+    except (OSError, ValueError):
+        return None
+    return max((int(s) for s in steps if isinstance(s, int | float)), default=None)
 
 
 def _comm_marks() -> tuple[int, int | None]:
