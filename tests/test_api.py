@@ -36,6 +36,20 @@ def test_example_trains_an_mlp_on_two_processes(strategy):
     assert proc.stdout.count("test accuracy") == 1
 
 
+@pytest.mark.slow
+def test_example_with_its_own_optimizer_meta_init_and_a_checkpoint_resumes(tmp_path):
+    ckpt = tmp_path / "spirals"
+    args = [EXAMPLE, "--nproc", "2", "--strategy", "zero2", "--optimizer", "sgd"]
+    args += ["--schedule", "cosine", "--meta-init", "--checkpoint", str(ckpt), "--lr", "0.5"]
+    first = run_python([*args, "--steps", "20"], timeout=120)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "saved step 20" in first.stdout and (ckpt / "manifest.json").is_file()
+    again = run_python([*args, "--steps", "40"], timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "resumed from step 20" in again.stdout and "saved step 40" in again.stdout
+    assert "step   20 " not in again.stdout  # went on from the checkpoint, not from 0
+
+
 @pytest.mark.parametrize("strategy", ["zero4", "deepspeed", ""])
 def test_unknown_strategy_names_the_choices(strategy):
     with pytest.raises(ConfigError, match="ddp, zero1, zero2, zero3, fsdp"):
@@ -66,13 +80,22 @@ def launched_single_process(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
-@pytest.mark.parametrize(("strategy", "precision"), [("zero1", "fp16"), ("zero2", "bf16")])
-def test_accumulating_steps_train_under_a_launcher(launched_single_process, strategy, precision):
+@pytest.mark.parametrize(
+    ("strategy", "precision", "optimizer"),
+    [("zero1", "fp16", "adamw"), ("zero2", "bf16", "adamw"), ("zero3", "fp16", "sgd")],
+)
+def test_accumulating_steps_train_under_a_launcher(
+    launched_single_process, strategy, precision, optimizer
+):
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     y = x.sum(dim=1, keepdim=True)
     with Fabric(strategy=strategy, precision=precision) as fabric:
         assert (fabric.rank, fabric.world_size, fabric.is_main) == (0, 1, True)
-        model, optimizer = fabric.setup(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1)), lr=0.05)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+        if optimizer == "sgd":  # the loss scaler and clipping with the user's optimizer
+            model, _ = fabric.setup(net, lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9))
+        else:
+            model, _ = fabric.setup(net, lr=0.05)
         losses, norms = [], []
         for _ in range(12):
             for i, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
@@ -95,3 +118,67 @@ def test_process_group_is_destroyed_when_training_raises(launched_single_process
         assert dist.is_initialized()
         raise ValueError("boom")
     assert not dist.is_initialized()
+
+
+# -- bad input to setup and load: one line each, naming what to do ------------------------
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _refusal(case: str, where: str) -> str:
+    """What Fabric says to CASE (run on every rank of the pool)."""
+    from meshforge.errors import CheckpointError
+
+    with Fabric(strategy="zero2") as fabric:
+        model = nn.Linear(4, 2)
+        try:
+            if case == "scheduler-instance":
+                opt = _sgd(model.parameters())
+                fabric.setup(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2))
+            elif case == "scheduler-not-callable":
+                fabric.setup(model, _sgd, scheduler=0.5)
+            elif case == "foreign-parameters":
+                fabric.setup(model, optimizer=_sgd(nn.Linear(3, 3).parameters()))
+            elif case == "foreign-parameters-callable":
+                fabric.setup(model, optimizer=lambda params: _sgd(nn.Linear(3, 3).parameters()))
+            elif case == "optimizer-and-adamw-keywords":
+                fabric.setup(model, optimizer=_sgd, lr=0.1, betas=(0.8, 0.9))
+            elif case == "not-an-optimizer":
+                fabric.setup(model, optimizer="sgd")
+            elif case == "stepped-optimizer":
+                opt = _sgd(model.parameters())
+                model(torch.ones(1, 4)).sum().backward()
+                opt.step()
+                fabric.setup(model, optimizer=opt)
+            elif case == "load-missing":
+                placed, _ = fabric.setup(model)
+                fabric.load(where, {"model": placed})
+        except (ConfigError, CheckpointError) as exc:
+            return str(exc)
+        return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        ("scheduler-instance", ["callable optimizer -> LRScheduler", "not a StepLR instance"]),
+        ("scheduler-not-callable", ["callable optimizer -> LRScheduler", "float"]),
+        ("foreign-parameters", ["2 parameter(s) that are not the model's", "(3, 3), (3,)"]),
+        ("foreign-parameters-callable", ["2 parameter(s) that are not the model's"]),
+        ("optimizer-and-adamw-keywords", ["lr, betas configure the default AdamW"]),
+        ("not-an-optimizer", ["torch.optim.Optimizer or a callable", "not str"]),
+        ("stepped-optimizer", ["SGD already has state"]),
+        ("load-missing", ["cannot load checkpoint", "no such directory"]),
+    ],
+)
+def test_bad_optimizer_scheduler_and_checkpoint_input_is_one_line(gloo, tmp_path, case, fragments):
+    where = str(tmp_path / "no-checkpoint-here")
+    message = gloo.run(1, _refusal, case, where)[0]
+    assert message != "accepted"
+    assert message.splitlines() == [message]
+    for fragment in fragments:
+        assert fragment in message, message
+    if case == "load-missing":
+        assert where in message

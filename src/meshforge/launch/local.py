@@ -127,6 +127,24 @@ def root_cause(recorded: list[dict], failures: list[dict]) -> dict | None:
     return min(recorded, key=lambda r: r["time"]) if recorded else None
 
 
+def choose_first_failure(recorded: list[dict], failures: list[dict], agent_first: int) -> dict:
+    """The failure to name as the cause of the others, with its error: root_cause's
+    pick; else a rank killed by a signal the agent did not send; else the rank the agent
+    saw fail first (AGENT_FIRST). A rank whose record names it the cause but that the
+    agent has not seen exit gets a new entry, not added to FAILURES."""
+    cause = root_cause(recorded, failures)
+    if cause is None:
+        killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
+        return killed[0] if killed else next(f for f in failures if f["rank"] == agent_first)
+    # The agent sees whichever process exited first; a rank that raised may still be
+    # tearing down while its peers die of the broken connection.
+    first = next((f for f in failures if f["rank"] == cause["rank"]), None)
+    if first is None:
+        first = {"rank": cause["rank"], "exit": "stopped by the agent after failing"}
+    first["error"] = cause["error"]
+    return first
+
+
 def recorded_failures(health: Path) -> list[dict]:
     """The failures the workers recorded themselves (health/failure-rank-K.json)."""
     records = []
@@ -234,25 +252,9 @@ def run_elastic(
             }
             for r, f in sorted(exc.failures.items())
         ]
-        first_failure = next(f for f in failures if f["rank"] == rank)
-        killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
-        if killed:
-            first_failure = killed[0]
-        cause = root_cause(recorded_failures(run_dir / "health"), failures)
-        if cause is not None:
-            # The agent sees whichever process exited first; a rank that raised may
-            # still be tearing down while its peers die of the broken connection.
-            match = [f for f in failures if f["rank"] == cause["rank"]]
-            first_failure = (
-                match[0]
-                if match
-                else {
-                    "rank": cause["rank"],
-                    "exit": "stopped by the agent after failing",
-                    "log": str(run_dir / "logs" / f"rank-{cause['rank']}.log"),
-                }
-            )
-            first_failure["error"] = cause["error"]
+        recorded = recorded_failures(run_dir / "health")
+        first_failure = choose_first_failure(recorded, failures, rank)
+        first_failure.setdefault("log", str(run_dir / "logs" / f"rank-{first_failure['rank']}.log"))
         from meshforge.health.diagnose import write_diagnosis
 
         agent = {"time": time.time(), "first_failure": first_failure, "failures": failures}
@@ -265,7 +267,9 @@ def launch_training(argv: list[str]) -> int:
     from meshforge.errors import ConfigError
     from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
     from meshforge.launch.train import layout_line, prepare_job, report_failure
+    from meshforge.train.timing import mark_launch
 
+    mark_launch()  # the workers' start-up is timed from this process's start
     launch = parse_launch_args(argv)
     a = launch.args
     if a.recalibrate:  # the workers inherit it (observe/machine_cache.py)
@@ -357,6 +361,10 @@ def launch_training(argv: list[str]) -> int:
         print(f"meshforge: stopped by {name}; {where}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     if diagnosis is None:
+        if not multi:  # the workers have exited: the report's shutdown time is known
+            from meshforge.train.timing import record_exit
+
+            record_exit(job.run_dir)
         return 0
     return report_failure(job.run_dir, diagnosis)
 

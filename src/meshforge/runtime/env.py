@@ -2,7 +2,14 @@
 
 Recognised, in order: torchrun / the elastic agent (RANK, WORLD_SIZE, LOCAL_RANK),
 OpenMPI (OMPI_COMM_WORLD_*), Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID),
-and a plain single process."""
+and a plain single process.
+
+A Slurm task is one that `srun` started: srun sets SLURM_STEP_ID (and its older
+spelling SLURM_STEPID) in every task. The shell of an `sbatch` batch script carries
+SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id (as a real Slurm 22.05
+sets them; tests/test_fabric_launch.py), and `salloc`'s shell has neither: it is no task
+of a step, no other rank will ever join it, so both count as a plain single process
+(which then starts its own workers) instead of rank 0 of SLURM_NTASKS waiting forever."""
 
 from __future__ import annotations
 
@@ -62,6 +69,19 @@ def _local_world_size(env: Mapping[str, str], *keys: str) -> int:
     return 1
 
 
+def in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task that srun started (one rank of SLURM_NTASKS).
+
+    False in the shell of an sbatch batch script or of salloc: a job id, maybe
+    SLURM_PROCID=0, but no step id. Without a job id (variables set by hand, or an
+    older launcher that passes only these) SLURM_PROCID and SLURM_NTASKS suffice."""
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return False
+    if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
+        return True
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
@@ -86,7 +106,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             launcher="mpi",
             local_world_size=_local_world_size(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if in_slurm_step(env):
         master = env.get("MASTER_ADDR")
         if master is None:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")

@@ -223,7 +223,7 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int, create_root: boo
 
     # 1. rank 0 makes the empty temporary directory
     problem = _attempt(_prepare, ckpt_root, tmp, create_root) if rank == 0 else None
-    fail_all(_from_rank0(problem))
+    fail_all(problem_from_rank0(problem))
     # 2. every rank writes and hashes its part; DCP's own save is collective
     own: dict[str, Any] = {}
     try:
@@ -234,7 +234,7 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int, create_root: boo
         own = hash_own_files(tmp, rank)
         problem = None
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        problem = _why(exc, ckpt_root)
+        problem = why_write_failed(exc, ckpt_root)
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (own, problem))
     fail_all(next((p for _, p in parts if p is not None), None))
@@ -246,14 +246,14 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int, create_root: boo
         merged: dict[str, Any] = {}
         for hashes, _ in parts:
             merged.update(hashes)
-        problem = _attempt(_commit, ckpt_root, tmp, final, step, merged)
+        problem = _attempt(commit_checkpoint_dir, ckpt_root, tmp, final, step, merged)
         if problem is None:
             prune(ckpt_root, keep)
-    fail_all(_from_rank0(problem))
+    fail_all(problem_from_rank0(problem))
     return final
 
 
-def _from_rank0(problem: str | None) -> str | None:
+def problem_from_rank0(problem: str | None) -> str | None:
     """Collective: rank 0's outcome of a stage, on every rank."""
     box = [problem]
     dist.broadcast_object_list(box, src=0)
@@ -266,7 +266,7 @@ def _attempt(stage, ckpt_root: Path, *args) -> str | None:
         stage(ckpt_root, *args)
         return None
     except Exception as exc:
-        return _why(exc, ckpt_root)
+        return why_write_failed(exc, ckpt_root)
 
 
 def _prepare(ckpt_root: Path, tmp: Path, create_root: bool) -> None:
@@ -278,7 +278,11 @@ def _prepare(ckpt_root: Path, tmp: Path, create_root: bool) -> None:
     tmp.mkdir()
 
 
-def _commit(ckpt_root: Path, tmp: Path, final: Path, step: int, hashed: dict[str, Any]) -> None:
+def commit_checkpoint_dir(
+    ckpt_root: Path, tmp: Path, final: Path, step: int, hashed: dict[str, Any]
+) -> None:
+    """Make TMP (in CKPT_ROOT) the checkpoint FINAL: its manifest (HASHED: the ranks'
+    entries), a FINAL already there swapped out whole, the rename into place."""
     write_manifest(tmp, step, hashed)
     aside = None
     if final.exists():  # a previous run reached the same step: swap it out whole
@@ -322,7 +326,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _why(exc: BaseException, ckpt_root: Path) -> str:
+def why_write_failed(exc: BaseException, ckpt_root: Path) -> str:
     """One line saying why writing failed: the OS's words where the OS refused."""
     exc = _root_cause(exc)
     if isinstance(exc, OSError):
