@@ -230,6 +230,10 @@ def test_a_restarted_run_ends_where_an_uninterrupted_one_does(tmp_path_factory, 
     assert report["final_param_digest"] == slow_run.report["final_param_digest"]
     [restart] = report["restarts"]
     assert (restart["attempt"], restart["resumed_from"]) == (1, 4)
+    # the restart's gap: the failure to the first step of the next attempt
+    assert restart["failed_at"] < restart["resumed_at"] <= report["timing"]["last_step_at"]
+    assert restart["gap_s"] == pytest.approx(restart["resumed_at"] - restart["failed_at"])
+    assert report["timing"]["restart_gaps_s"] == [restart["gap_s"]]
     d = _diagnose(job.run_dir)
     assert d["verdict"] == "ok" and "after 1 restart" in d["summary"], d["summary"]
 

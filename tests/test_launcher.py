@@ -31,8 +31,22 @@ def test_run_directory_has_the_designed_layout(job_factory):
     job = job_factory({"train": {"steps": 4, "eval_every": 2}, "checkpoint": {"every": 2}})
     proc = job.train(2)
     assert "meshforge sample" in proc.stdout
-    for name in ("config.yaml", "metrics.jsonl", "report.json", "report.png"):
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "report.html"):
         assert (job.run_dir / name).is_file(), name
+    assert not (job.run_dir / "report.png").exists()  # drawn on demand, off the exit
+    # start-up and shutdown, consistent with the metrics' timestamps
+    timing = job.report["timing"]
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert timing["launched_at"] < timing["first_step_at"] < rows[0]["time"]
+    assert timing["startup_s"] == pytest.approx(timing["first_step_at"] - timing["launched_at"])
+    assert sum(timing["startup_phases_s"].values()) == pytest.approx(timing["startup_s"])
+    assert rows[-1]["time"] <= timing["last_step_at"] < timing["report_at"] <= timing["exited_at"]
+    assert timing["shutdown_s"] == pytest.approx(timing["exited_at"] - timing["last_step_at"])
+    assert 0 < timing["final_checkpoint_s"] < timing["shutdown_s"]
+    assert timing["restart_gaps_s"] == []
+    report = meshforge(["report", str(job.run_dir), "--png"])
+    assert report.returncode == 0, report.stderr
+    assert (job.run_dir / "report.png").stat().st_size > 10_000
     assert (job.run_dir / "checkpoints" / "step-00000004" / "manifest.json").is_file()
     assert {p.name for p in (job.run_dir / "logs").glob("rank-*.log")} == {
         "rank-0.log",

@@ -28,6 +28,12 @@ def report_command(
     cluster: Annotated[
         Path | None, typer.Option("--cluster", help="Cluster file (YAML): adds the run's cost.")
     ] = None,
+    png: Annotated[
+        bool,
+        typer.Option(
+            "--png", help="Also draw RUN_DIR/report.png (loss, throughput, memory, time)."
+        ),
+    ] = False,
 ) -> None:
     """Write the run's report.html: headline figures, layout, loss, throughput and MFU,
     memory per rank, time breakdown, network, step time per rank, and its config. With two
@@ -36,3 +42,10 @@ def report_command(
 
     runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
     print(write_html(runs, out, cluster))
+    if png:
+        from meshforge.observe.metrics import read_jsonl
+        from meshforge.observe.plots import plot_report
+
+        for run in runs:
+            plot_report(read_jsonl(run / "metrics.jsonl"), run / "report.png")
+            print(run / "report.png")

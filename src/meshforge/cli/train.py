@@ -32,7 +32,13 @@ def train(ctx: typer.Context) -> None:
     --max-restarts, --iface NAME, ...). See `meshforge train --help`."""
     from meshforge.launch.local import launch_training
 
-    raise typer.Exit(launch_training(list(ctx.args)))
+    code = launch_training(list(ctx.args))
+    # The run is over and recorded: leave without the interpreter's teardown of torch
+    # and the elastic agent (a few tenths of a second of the command's exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 @app.command("worker")

@@ -34,7 +34,8 @@ from meshforge.observe.console import (
     segment_text,
 )
 from meshforge.observe.metrics import latest_rows, read_jsonl
-from meshforge.observe.plots import _number, _series
+from meshforge.observe.metrics import number as _number
+from meshforge.observe.metrics import series as _series
 from meshforge.observe.svg import Line, bar_chart, line_chart, stack_chart, tick
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -136,3 +137,26 @@ def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             earlier = None
         merged[key] = {**(earlier or {"step": step if numeric else key}), **values}
     return [merged[k] for k in sorted(merged)]
+
+
+def number(value: Any) -> float | None:
+    """A finite float, or None for missing, null, NaN and non-numbers."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        numbers = [n for n in (number(v) for v in value) if n is not None]
+        return max(numbers) if numbers else None  # per-rank list: the largest
+    if isinstance(value, dict):
+        return number(list(value.values()))
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list, list]:
+    """(steps, values) of the rows where `key` holds a number (scaled)."""
+    steps, values = [], []
+    for row in rows:
+        value = number(row.get(key))
+        if value is not None:
+            steps.append(row["step"])
+            values.append(value * scale)
+    return steps, values

@@ -6,9 +6,7 @@ display and leaves no global backend state behind in the training process.
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from meshforge.observe.metrics import latest_rows
+from meshforge.observe.metrics import number as _number
+from meshforge.observe.metrics import series as _series
 
 _BREAKDOWN = (
     ("data_s", "data"),
@@ -25,28 +25,6 @@ _BREAKDOWN = (
     ("other_s", "other"),
 )
 _COLORS = ("#8c8c8c", "#4c72b0", "#dd8452", "#c9c9c9")
-
-
-def _number(value: Any) -> float | None:
-    """A finite float, or None for missing, null, NaN and non-numbers."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        numbers = [n for n in (_number(v) for v in value) if n is not None]
-        return max(numbers) if numbers else None  # per-rank list: the largest
-    if isinstance(value, dict):
-        return _number(list(value.values()))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _series(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list, list]:
-    steps, values = [], []
-    for row in rows:
-        value = _number(row.get(key))
-        if value is not None:
-            steps.append(row["step"])
-            values.append(value * scale)
-    return steps, values
 
 
 def _no_data(ax: Axes) -> None:

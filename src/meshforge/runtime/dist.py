@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,6 +42,7 @@ class Runtime:
     env: DistEnv
     device: torch.device
     backend: str
+    up_at: float = field(default_factory=time.time)  # when the process group was up
 
     @property
     def rank(self) -> int:

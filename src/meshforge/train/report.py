@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,8 @@ def build_report(
         ],
     }
     report["restarts"] = restarts_of_this_run(trainer.run_dir)
+    # written last but one: report_at is as close to the write as it can be
+    report["timing"] = trainer.timing.as_dict(time.time(), report["restarts"])
     if trainer.dims.parameter_server:
         from meshforge.parallel.param_server import summarise
 
@@ -232,7 +235,14 @@ def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     path = Path(run_dir) / "health" / "restarts.jsonl"
     rows = read_jsonl(path) if path.exists() else []
-    return [r for r in rows if run_id is not None and r.get("run_id") == run_id]
+    mine = [r for r in rows if run_id is not None and r.get("run_id") == run_id]
+    resumed = {r["attempt"]: r["resumed_at"] for r in mine if r.get("kind") == "resumed"}
+    restarts = [r for r in mine if r.get("kind") != "resumed"]
+    for r in restarts:  # the gap: the previous attempt's failure to this one's first step
+        r["resumed_at"] = resumed.get(r.get("attempt"))
+        failed = r.get("failed_at")
+        r["gap_s"] = r["resumed_at"] - failed if r["resumed_at"] and failed else None
+    return restarts
 
 
 def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str, float] | None:
@@ -299,12 +309,8 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     tmp = run_dir / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, run_dir / "report.json")
-    try:
-        from meshforge.observe.plots import plot_report
-
-        plot_report(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "report.png")
-    except Exception as exc:  # the plot is a convenience; the JSON is the record
-        log.warning("could not draw report.png: %s", exc)
+    # report.html carries the plots as SVG (milliseconds); report.png (matplotlib: about a
+    # second) is drawn on demand by `meshforge report RUN_DIR --png`, off the run's exit
     try:
         from meshforge.observe.html_report import write_html
 

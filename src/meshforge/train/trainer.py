@@ -55,6 +55,7 @@ from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report
 from meshforge.train.segments import close_segment, open_segment
 from meshforge.train.step import StepResult, cross_entropy
+from meshforge.train.timing import RunTiming, launched_at, process_start
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ class Trainer:
         self.sampler: SystemSampler | None = None  # the node's, on its first rank
         self.memory_advice: dict[str, str] = {}  # the newest advice of each kind
         self.segment: int | None = None  # this segment's number (train/segments.py), rank 0
+        # start-up, shutdown (train/timing.py); rank 0's marks are the report's
+        self.timing = RunTiming(launched_at(), process_start(), rt.up_at)
 
     # -- what the report and checkpoints record ------------------------------------------
     def layout(self) -> dict[str, Any]:
@@ -189,6 +192,10 @@ class Trainer:
             "cause": {"rank": cause.get("rank"), "error": cause.get("error")},
             "attempt": attempt,
             "time": time.time(),
+            # when the previous attempt failed: its first recorded error (a rank killed
+            # without a word leaves its peers' broken connections), else the last flight
+            # record of this rank's previous attempt
+            "failed_at": min((r["time"] for r in failures), default=previous.get("time")),
             "resumed_from": resumed_from or 0,
             "reached_before": reached,
             "steps_redone": None if reached is None else max(0, reached - (resumed_from or 0)),
@@ -201,6 +208,16 @@ class Trainer:
             f"restart {attempt}: resumed from step {entry['resumed_from']}"
             + (f", redoing {entry['steps_redone']} step(s)" if reached is not None else "")
         )
+
+    def _record_resumed(self) -> None:
+        """After an elastic restart, at the first step: when training resumed (the
+        restart's gap ends here), beside the restart's entry in health/restarts.jsonl."""
+        if self.flight.attempt == 0:
+            return
+        entry = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "attempt": self.flight.attempt,
+                 "kind": "resumed", "resumed_at": self.timing.first_step_at}  # fmt: skip
+        with (self.run_dir / "health" / "restarts.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
 
     def _resume(self) -> int | None:
         state = self.checkpointer.resume(self.rt.is_main)
@@ -276,6 +293,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         c, rt = self.cfg, self.rt
         t = c.train
+        self.timing.ready_at = time.time()
         sink = None
         if rt.is_main:
             sink = Guarded("metrics.jsonl", JsonlSink(self.run_dir / "metrics.jsonl"), self._warn)
@@ -350,6 +368,9 @@ class Trainer:
                     # first run there) would slow this rank's communication-free reference
                     # and hide the exposed time
                     dist.barrier()
+                    self.timing.first_step_at = time.time()
+                    if rt.is_main:
+                        self._record_resumed()
                 if ref_compute_s is None and step == start and self._needs_reference():
                     x0, y0 = batch.micro_batches[0]
                     ref_compute_s = self._reference_compute_s(
@@ -444,10 +465,14 @@ class Trainer:
                 fl.progress(done, step_s)
                 every = c.checkpoint.every
                 stop = self.stop.end_step()  # the same answer on every rank
+                if done == t.steps or stop:
+                    self.timing.last_step_at = time.time()
                 if (every and done % every == 0) or done == t.steps or stop:
                     fl.set_phase("checkpoint")
-                    cpu0 = time.process_time()
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
                     self.checkpointer.save(done, self.trainer_state(done, last_loss))
+                    if done == t.steps or stop:
+                        self.timing.final_checkpoint_s = time.perf_counter() - wall0
                     # rank 0 writes more of a checkpoint: not a sign of a slow rank
                     self.stragglers.exclude(time.process_time() - cpu0)
                     last_saved = done
