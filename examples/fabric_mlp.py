@@ -118,7 +118,10 @@ def train(fabric: Fabric, args: argparse.Namespace) -> float:
     with torch.no_grad(), fabric.autocast():
         predicted = model(fabric.to_device(test_x)).argmax(dim=-1).cpu()
     accuracy = (predicted == test_y).float().mean().item()
-    fabric.print(f"first loss {first_loss:.4f}  final loss {loss_value:.4f}")
+    if first_loss is None:  # resumed at or past --steps: nothing left to train
+        fabric.print(f"nothing to train: the checkpoint is at step {step} of {args.steps}")
+    else:
+        fabric.print(f"first loss {first_loss:.4f}  final loss {loss_value:.4f}")
     fabric.print(f"test accuracy {accuracy:.3f}")
     return accuracy
 

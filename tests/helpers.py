@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,53 @@ class Job:
             json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
         ]
         return {r["step"]: r["loss"] for r in rows}
+
+
+@contextmanager
+def peak_rss_growth(out: list[int]):
+    """The growth of this process's peak resident memory inside the block: the kernel's
+    VmHWM after resetting it (writing 5 to /proc/self/clear_refs), or, where that is
+    refused, the RSS sampled every millisecond. Freed heap memory is handed back first,
+    so that reusing it cannot hide growth."""
+    import contextlib
+    import ctypes
+    import gc
+    import threading
+
+    import psutil
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    proc = psutil.Process()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm = True
+    except OSError:
+        hwm = False
+    base = proc.memory_info().rss
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(0.001)
+
+    sampler = None if hwm else threading.Thread(target=sample, daemon=True)
+    if sampler is not None:
+        sampler.start()
+    try:
+        yield
+    finally:
+        if hwm:
+            status = open("/proc/self/status").read()
+            peak[0] = int(
+                next(ln for ln in status.splitlines() if ln.startswith("VmHWM:")).split()[1]
+            )
+            peak[0] *= 1024
+        else:
+            done.set()
+            sampler.join()
+        out.append(peak[0] - base)

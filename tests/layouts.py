@@ -135,15 +135,8 @@ def activation_bytes(raw: dict[str, Any]) -> int:
 def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     """Peak growth of this process's resident memory while building the model: the
     engine's way (meta device, cut, shard, then initialise this rank's slice), or
-    (full_model) a whole GPT built and initialised on the CPU. Sampled every
-    millisecond by a thread."""
-    import contextlib
-    import ctypes
-    import gc
-    import threading
-
-    import psutil
-
+    (full_model) a whole GPT built and initialised on the CPU (helpers.peak_rss_growth)."""
+    from helpers import peak_rss_growth
     from meshforge.config import build_config
     from meshforge.models.gpt import GPT
     from meshforge.parallel.parallelize import build_model_parts
@@ -156,32 +149,14 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     dims = tiny.dims(dist.get_world_size())
     build_model_parts(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
     GPT(tiny.model)
-    # memory freed by earlier work in this long-lived worker and still held by the heap
-    # would be reused silently and hide the growth: hand it back to the kernel first
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    proc = psutil.Process()
-    base = proc.memory_info().rss
-    peak = [base]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            done.wait(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    if full_model:
-        model = GPT(cfg.model)
-    else:
-        dims = cfg.dims(dist.get_world_size())
-        model = build_model_parts(
-            cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu")
-        )
-    peak[0] = max(peak[0], proc.memory_info().rss)
-    done.set()
-    sampler.join()
+    grown: list[int] = []
+    with peak_rss_growth(grown):
+        if full_model:
+            model = GPT(cfg.model)
+        else:
+            dims = cfg.dims(dist.get_world_size())
+            model = build_model_parts(
+                cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu")
+            )
     del model
-    return peak[0] - base
+    return grown[0]

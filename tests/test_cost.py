@@ -92,6 +92,23 @@ def test_run_cost_from_a_run_directory(tmp_path):
     assert run.sync_loss_rented_usd == pytest.approx(0.2)
 
 
+def test_a_run_resumed_at_another_world_size_costs_each_segments_gpu_seconds(tmp_path):
+    # 100 s on 4 ranks, then resumed on 1 rank for 50 s: 450 GPU-seconds, not 1 x 150
+    segments = [{"segment": 1, "world_size": 4, "wall_s": 100.0},
+                {"segment": 2, "world_size": 1, "wall_s": 50.0}]  # fmt: skip
+    report = {"world_size": 1, "steps": 30, "step_time_s": 1.0, "wall_time_s": 150.0,
+              "segments": segments}  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    costs = tco(parse_cluster(HAND))
+    run = run_cost_from_report(tmp_path, costs)
+    assert run.gpu_hours == pytest.approx((4 * 100 + 1 * 50) / 3600)
+    assert run.rented_usd == pytest.approx(450 / 3600 * 4.0)
+    assert (run.gpus, run.wall_s) == (1, 150.0)  # the last segment's size, the whole wall time
+    # a report without segments (an older run) keeps world_size x wall_time_s
+    (tmp_path / "report.json").write_text(json.dumps({**report, "segments": None}))
+    assert run_cost_from_report(tmp_path, costs).gpu_hours == pytest.approx(150 / 3600)
+
+
 def test_run_cost_from_a_plan():
     shape = GPTShape(24, 2048, 16, 50304, 2048)
     cluster = Cluster(gpu_spec("h100"), 8, 8, link_spec("nvlink4"), link_spec("ib-ndr"), 8)

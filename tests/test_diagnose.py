@@ -340,6 +340,25 @@ def test_live_run_is_running_or_names_the_rank_that_went_silent(tmp_path):
     assert (d["verdict"], d["ranks"]) == ("hang", [1])
 
 
+def test_a_run_whose_lock_is_free_with_no_report_ended_and_was_not_running(tmp_path):
+    """Launcher and workers SIGKILLed: no report, no failure, fresh-looking records; the
+    free lock says nothing runs there. Its step: the metrics' 15, ahead of the flight's 9."""
+    from meshforge.runtime.runlock import hold_run_dir
+
+    now = time.time()
+    fresh = [flight(r, time=now, started=now - 30, last_progress=now - 1, step=9) for r in (0, 1)]
+    run = make_run(tmp_path, flights=fresh)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 15, "loss": 2.0}) + "\n")
+    (run / "checkpoints" / "step-00000010").mkdir(parents=True)
+    assert diagnose_run(run)["verdict"] == "running"  # no lock file: cannot be told
+    with hold_run_dir(run, job_id="killed"):
+        assert diagnose_run(run)["verdict"] == "running"  # held: it runs
+    d = diagnose_run(run)
+    assert (d["verdict"], d["status"], d["step"]) == ("ended", "ended without a report", 15)
+    assert "ended after step 15 without a report" in d["summary"], d["summary"]
+    assert "resumes from its newest checkpoint" in d["summary"], d["summary"]
+
+
 def test_records_of_an_earlier_launch_are_left_out(tmp_path):
     """diagnosis.json and a failure record from before these ranks started."""
     now = time.time()

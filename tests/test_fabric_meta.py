@@ -7,16 +7,14 @@ submodule's reset_parameters()."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import math
-import threading
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from helpers import peak_rss_growth
 from meshforge.api import Fabric
 from meshforge.errors import ConfigError
 
@@ -74,51 +72,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-@contextlib.contextmanager
-def _peak_rss_growth(out: list[int]):
-    """The growth of this process's peak resident memory inside the block: the kernel's
-    VmHWM after resetting it (writing 5 to /proc/self/clear_refs), or, where that is
-    refused, the RSS sampled every millisecond. Freed heap memory is handed back first,
-    so that reusing it cannot hide growth."""
-    import psutil
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    proc = psutil.Process()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        hwm = True
-    except OSError:
-        hwm = False
-    base = proc.memory_info().rss
-    peak = [base]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            done.wait(0.001)
-
-    sampler = None if hwm else threading.Thread(target=sample, daemon=True)
-    if sampler is not None:
-        sampler.start()
-    try:
-        yield
-    finally:
-        if hwm:
-            status = open("/proc/self/status").read()
-            peak[0] = int(
-                next(ln for ln in status.splitlines() if ln.startswith("VmHWM:")).split()[1]
-            )
-            peak[0] *= 1024
-        else:
-            done.set()
-            sampler.join()
-        out.append(peak[0] - base)
-
-
 def _build_peak(empty_init: bool, layers: int, width: int) -> dict:
     with Fabric(strategy="zero3") as fabric:
         # the first setup imports modules and makes groups: not the model's memory
@@ -126,7 +79,7 @@ def _build_peak(empty_init: bool, layers: int, width: int) -> dict:
         fabric.setup(warm, shard_units=list(warm.layers))
         del warm
         growth: list[int] = []
-        with _peak_rss_growth(growth):
+        with peak_rss_growth(growth):
             with fabric.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
                 model = Wide(layers, width)
             model, _ = fabric.setup(model, shard_units=list(model.layers))

@@ -178,6 +178,9 @@ def test_train_help_lists_torchrun_flags():
                  "--standalone", "--max-restarts", "--log-dir", "--local-addr",
                  "--master-addr", "--master-port", "--iface", "--set", "--run-dir"):  # fmt: skip
         assert flag in proc.stdout, flag
+    fresh = " ".join(proc.stdout.split("\n  --fresh", 1)[1].split("\n  --trace", 1)[0].split())
+    for what in ("nothing left to train", "another model", "not a meshforge run", "resumes"):
+        assert what in fresh, fresh  # what happens without --fresh, all of it
 
 
 # -- one config per job, decided by global rank 0 -------------------------------------------
@@ -307,7 +310,10 @@ def test_plain_torchrun_leaves_the_same_run_directory(tmp_path, job_file):
 
 def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
     """SIGKILL to `meshforge train`: its workers get SIGTERM (parent-death signal),
-    checkpoint the same step together and exit, instead of training on orphaned."""
+    checkpoint the same step together and exit, instead of training on orphaned. While
+    they do, the run directory stays theirs: another launch there is refused (they are
+    held still meanwhile, so that it comes before they leave); once they have exited,
+    the same command resumes from their checkpoint."""
     import signal
     import subprocess
     import sys
@@ -316,6 +322,7 @@ def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
     import psutil
 
     from helpers import REPO
+    from meshforge.runtime.runlock import is_held
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({**TINY_JOB, "train": {**TINY_JOB["train"], "steps": 100000}}))
@@ -334,8 +341,16 @@ def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
             time.sleep(0.2)
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert len(workers) >= 2
+        for w in workers:
+            w.suspend()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        assert is_held(run_dir) is True  # the launcher's lock went with it; theirs stays
+        again = meshforge(["train", str(job), "--nproc", "1", "--run-dir", str(run_dir)])
+        assert_one_line_error(again, f"run directory {run_dir} is in use by another job",
+                              "its workers")  # fmt: skip
+        for w in workers:
+            w.resume()
         _, alive = psutil.wait_procs(workers, timeout=60)
         assert not alive
     finally:
@@ -344,4 +359,11 @@ def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
                 w.kill()
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "stopped"
-    assert (run_dir / "checkpoints" / f"step-{report['stopped']['step']:08d}").is_dir()
+    step = report["stopped"]["step"]
+    assert (run_dir / "checkpoints" / f"step-{step:08d}").is_dir()
+    assert is_held(run_dir) is False
+    resumed = meshforge(["train", str(job), "--nproc", "1", "--run-dir", str(run_dir),
+                         "--set", f"train.steps={step + 2}"])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["resumed_from"] == step

@@ -36,10 +36,12 @@ from helpers import REPO, Job, assert_one_line_error, meshforge
 from meshforge.errors import CheckpointError, ConfigError, MeshforgeError
 from meshforge.runtime.runlock import (
     LOCK_FILE,
+    WORKERS_LOCK_FILE,
     RunDirInUse,
     check_run_dir_free,
     export_job_id,
     hold_run_dir,
+    is_held,
     job_id_from_env,
     mark_held_for_workers,
     read_holder,
@@ -172,12 +174,12 @@ def _tmpfs(directory: Path, size: str) -> Iterator[Path]:
 
 
 class _Holder:
-    """Another process holding a run directory until told to let go."""
+    """Another process holding a run directory (its lock file NAME) until told to let go."""
 
-    def __init__(self, run_dir: Path, job_id: str) -> None:
+    def __init__(self, run_dir: Path, job_id: str, name: str = LOCK_FILE) -> None:
         code = (
-            "import sys; from meshforge.runtime.runlock import hold_run_dir\n"
-            f"lock = hold_run_dir({str(run_dir)!r}, {job_id!r})\n"
+            "import sys; from meshforge.runtime.runlock import RunDirLock\n"
+            f"lock = RunDirLock({str(run_dir)!r}, {job_id!r}, name={name!r}).acquire()\n"
             "print('held', flush=True); sys.stdin.read(); lock.release()\n"
         )
         self.proc = subprocess.Popen(
@@ -242,10 +244,13 @@ def test_a_new_rank0_waits_for_its_dead_predecessor_of_the_same_job(tmp_path):
 def test_workers_take_the_lock_only_on_rank0_and_only_without_the_launcher(tmp_path):
     holder = _Holder(tmp_path, "job-a")
     try:
-        launcher_env: dict[str, str] = {}
+        launcher_env: dict[str, str] = {"TORCHELASTIC_RUN_ID": "a"}
         mark_held_for_workers(tmp_path, launcher_env)
         with worker_run_lock(tmp_path, 0, launcher_env) as held:
-            assert held is None  # the launcher holds it for the job
+            # the launcher holds .lock; its rank 0 holds .lock-workers, so that the run
+            # directory stays held while it outlives a killed launcher
+            assert held.path.name == WORKERS_LOCK_FILE
+            assert read_holder(tmp_path, WORKERS_LOCK_FILE).job_id == "rdzv=a"
         with worker_run_lock(tmp_path, 1, {}) as held:
             assert held is None  # only global rank 0 takes it
         with pytest.raises(RunDirInUse):
@@ -254,6 +259,24 @@ def test_workers_take_the_lock_only_on_rank0_and_only_without_the_launcher(tmp_p
         holder.let_go()
     with worker_run_lock(tmp_path, 0, {"TORCHELASTIC_RUN_ID": "x"}) as lock:
         assert lock.held and read_holder(tmp_path).job_id == "rdzv=x"
+
+
+def test_the_workers_of_a_killed_launcher_keep_the_run_directory_held(tmp_path):
+    worker = _Holder(tmp_path, "rdzv=orphans", WORKERS_LOCK_FILE)  # its launcher is gone
+    try:
+        assert is_held(tmp_path) is True
+        for take in (lambda: hold_run_dir(tmp_path, "job-b"), lambda: check_run_dir_free(tmp_path)):
+            with pytest.raises(RunDirInUse) as refused:
+                take()
+            message = str(refused.value)
+            assert f"run directory {tmp_path} is in use by another job (its workers: " in message
+            assert f"pid {worker.proc.pid} on host" in message and "\n" not in message
+        check_run_dir_free(tmp_path, "rdzv=orphans")  # their own job's agents
+    finally:
+        worker.kill()
+    assert is_held(tmp_path) is False
+    with hold_run_dir(tmp_path, "job-b") as lock:  # free once they have exited
+        assert lock.held
 
 
 def test_the_agents_of_one_multinode_job_do_not_refuse_each_other(tmp_path):

@@ -4,10 +4,12 @@ a step trained twice has one row per segment, the latest of which every reader t
 
 The learning-rate rule under test (README, "Checkpoints and resuming"): the schedule's
 horizon is fixed when a run starts (its first train.steps); a later train.steps, larger
-or smaller, keeps it, and steps past it train at lr x min_lr_ratio."""
+or smaller, keeps it, and steps past it train at the schedule's last step's learning
+rate, so it never jumps."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -17,10 +19,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import yaml
 
-from helpers import REPO, TINY_JOB, Job, assert_one_line_error
+from helpers import REPO, TINY_JOB, Job, assert_one_line_error, meshforge
+from meshforge.config import load_config, save_config
+from meshforge.errors import ConfigError
+from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
 from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.train.checkpoint import write_manifest
 from meshforge.train.report import write_interrupted_report
 from meshforge.train.schedule import lr_factor
 from meshforge.train.segments import close_segment, open_segment, segments_of
@@ -75,15 +83,16 @@ def test_a_finished_run_stays_finished_is_extended_explicitly_and_starts_over_fr
         assert fragment in lines[0], lines[0]
     assert _tree(job.run_dir) == before
 
-    # extended to 30 steps: steps 21-30 train at the 20-step schedule's final LR
+    # extended to 30 steps: steps 21-30 train at the LR of the 20-step schedule's last step
     extended = job.train(1, "--set", "train.steps=30")
-    assert "extending the finished run" in extended.stdout, extended.stdout
+    final_lr = _scheduled_lr(20, horizon=20)
+    assert "from step 20 to 30; past step 20" in extended.stdout, extended.stdout
+    assert f"stays at its value at step 20, {final_lr:.3g}" in extended.stdout, extended.stdout
     rows = {r["step"]: r for r in latest_rows(_records(job))}
     assert sorted(rows) == list(range(1, 31))
     for step, row in rows.items():
         assert row["lr"] == pytest.approx(_scheduled_lr(step, horizon=20), rel=1e-9), step
-    assert [rows[s]["lr"] for s in range(21, 31)] == [pytest.approx(LR * MIN_RATIO)] * 10
-    assert rows[20]["lr"] >= rows[21]["lr"]  # no jump back up
+    assert [rows[s]["lr"] for s in range(20, 31)] == [pytest.approx(final_lr)] * 11  # no jump
     report = job.report
     assert report["status"] == "completed" and report["steps"] == 30
     assert report["lr_horizon"] == 20
@@ -120,6 +129,14 @@ def test_a_run_killed_after_its_step_10_checkpoint_and_resumed_reads_as_one_run(
     assert job.report["status"] == "failed"
     assert _spans(job.report) == [(0, 10, "crashed")]  # no clean end: listed as crashed
 
+    # a smaller train.steps than the run reached: nothing to train, nothing touched
+    before = _tree(job.run_dir)
+    short = job.train(1, "--set", "train.steps=5")
+    lines = (short.stdout + short.stderr).strip().splitlines()
+    assert len(lines) == 1 and "has trained to step 10 already" in lines[0], lines
+    assert "N > 10" in lines[0] and "--fresh" in lines[0], lines[0]
+    assert _tree(job.run_dir) == before
+
     job.train(1, "--set", "train.steps=20", "--set", "parallel.zero=0")
     report = job.report
     records = _records(job)
@@ -143,6 +160,14 @@ def test_a_run_killed_after_its_step_10_checkpoint_and_resumed_reads_as_one_run(
     assert report["lr_horizon"] == 40
     for row in rows:
         assert row["lr"] == pytest.approx(_scheduled_lr(row["step"], horizon=40), rel=1e-9)
+
+    # report.json gone: the final checkpoint and segments.jsonl still say it finished
+    (job.run_dir / "report.json").unlink()
+    before = _tree(job.run_dir)
+    again = job.train(1, "--set", "train.steps=20")
+    lines = (again.stdout + again.stderr).strip().splitlines()
+    assert len(lines) == 1 and "has finished its 20 steps" in lines[0], lines
+    assert _tree(job.run_dir) == before
 
 
 @pytest.mark.slow
@@ -173,6 +198,62 @@ def test_ctrl_c_on_the_launcher_leaves_a_stopped_report_and_a_segment(job_factor
     assert (job.run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
     assert _spans(report) == [(0, step, "stopped")]
     assert f"checkpoint at step {step}" in err.strip().splitlines()[-1]
+    timing = report["timing"]  # the workers exited: the launcher filled in when
+    assert timing["shutdown_s"] == pytest.approx(timing["exited_at"] - timing["last_step_at"])
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals sent to process PID and not yet handled (it is stopped)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_kills_the_workers_at_once_and_keeps_the_last_checkpoint(job_factory):
+    job = job_factory({"train": {"steps": 100_000}, "checkpoint": {"every": 5, "keep": 2}})
+    argv = [sys.executable, "-m", "meshforge", "train", str(job.config_path), "--nproc", "1",
+            "--run-dir", str(job.run_dir)]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + LONG_WAIT_S
+        first = job.run_dir / "checkpoints" / "step-00000005" / "manifest.json"
+        while not first.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        for w in workers:  # the workers cannot finish their stop: only a kill ends them
+            w.suspend()
+        proc.send_signal(signal.SIGINT)
+        worker = psutil.Process(proc.pid).children()[0]
+        while not _pending_signals(worker.pid) & (1 << (signal.SIGINT - 1)):
+            assert time.monotonic() < deadline, "the launcher never passed Ctrl-C on"
+            time.sleep(0.05)  # the launcher has passed the first Ctrl-C on: it waits
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=LONG_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for w in workers:
+            with contextlib.suppress(psutil.Error):
+                w.kill()
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT twice: the workers were killed" in last, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    _, alive = psutil.wait_procs(workers, timeout=LONG_WAIT_S)
+    assert not alive
+    report = job.report
+    assert report["status"] == "interrupted" and report["stopped"]["signal"] == "SIGINT"
+    newest = max(int(p.name[5:]) for p in (job.run_dir / "checkpoints").glob("step-*"))
+    assert report["last_checkpoint"] == newest >= 5
+    assert f"resumes from the last checkpoint, at step {newest}" in last, last
+    assert (job.run_dir / "checkpoints" / f"step-{newest:08d}" / "manifest.json").is_file()
 
 
 # -- the records, without training --------------------------------------------------------
@@ -225,3 +306,146 @@ def test_an_interrupted_launch_reports_the_whole_run_and_closes_its_segment(tmp_
     assert (report["first_loss"], report["final_loss"]) == (5.9, 5.5)
     assert report["tokens_per_s"] == 350.0  # steps 2-5: the first includes start-up
     assert _spans(report) == [(0, 5, "stopped")]
+
+
+# -- what a launch decides from the run directory, without training -------------------------
+def _config(tmp_path: Path, *overrides: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(TINY_JOB))
+    return load_config(path, list(overrides))
+
+
+def _hand_made_run(run_dir: Path, cfg, reached: int, horizon: int, ended: str | None) -> None:
+    """A run directory as a run of CFG leaves it: config.yaml, a committed checkpoint at
+    step REACHED (schedule horizon HORIZON) and one segment that ended ENDED there (None:
+    crashed)."""
+    ckpt = run_dir / "checkpoints" / f"step-{reached:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": reached, "lr_horizon": horizon}))
+    write_manifest(ckpt, reached)
+    save_config(cfg, run_dir / "config.yaml")
+    layout = {"dp": 1, "tp": 1, "pp": 1, "zero": 0}
+    open_segment(run_dir, start_step=0, steps=horizon, lr_horizon=horizon, world_size=1,
+                 layout=layout)  # fmt: skip
+    if ended is not None:
+        close_segment(run_dir, 1, reached, ended, wall_s=1.0)
+
+
+def test_what_the_newest_checkpoint_reached_decides_whatever_report_json_says(tmp_path):
+    run_dir = tmp_path / "run"
+    _hand_made_run(run_dir, _config(tmp_path), reached=11, horizon=40, ended="stopped")
+    # stopped at 11 of 40: train.steps=10 has nothing to train, and says where it is
+    decision = check_earlier_run(_config(tmp_path, "train.steps=10"), run_dir, fresh=False)
+    assert "has trained to step 11 already" in decision.finished, decision.finished
+    assert "N > 11" in decision.finished and "--fresh" in decision.finished
+    # back to its own 40 steps: a plain resume (the workers say so)
+    decision = check_earlier_run(_config(tmp_path, "train.steps=40"), run_dir, fresh=False)
+    assert (decision.finished, decision.note) == (None, None)
+    # past its horizon: the same line an extension prints, the LR past the horizon in it
+    decision = check_earlier_run(_config(tmp_path, "train.steps=60"), run_dir, fresh=False)
+    final = LR * lr_factor(39, WARMUP, 40, MIN_RATIO)
+    assert decision.note.startswith(f"meshforge: resuming the run in {run_dir} from step 11 to 60")
+    assert "past step 40, the end of its learning-rate schedule" in decision.note
+    assert f"stays at its value at step 40, {final:.3g}" in decision.note
+
+    # finished at 50, report.json deleted: the checkpoint and segments.jsonl say so
+    done = tmp_path / "done"
+    _hand_made_run(done, _config(tmp_path, "train.steps=50"), 50, 50, ended="completed")
+    decision = check_earlier_run(_config(tmp_path, "train.steps=50"), done, fresh=False)
+    assert "has finished its 50 steps" in decision.finished, decision.finished
+    decision = check_earlier_run(_config(tmp_path, "train.steps=70"), done, fresh=False)
+    assert decision.note.startswith(f"meshforge: extending the finished run in {done} from "
+                                    "step 50 to 70; past step 50")  # fmt: skip
+
+
+def test_learning_rate_past_the_horizon_never_jumps():
+    # a warm-up as long as the horizon (the README's 20-step run with warmup 20) ends at
+    # the peak, and stays there; a decaying schedule stays at its last step's value
+    for warmup, horizon in [(20, 20), (30, 20), (5, 20), (0, 1)]:
+        last = lr_factor(horizon - 1, warmup, horizon, MIN_RATIO)
+        past = [lr_factor(s, warmup, horizon, MIN_RATIO) for s in range(horizon, horizon + 20)]
+        assert past == [last] * 20, (warmup, horizon)
+    assert lr_factor(19, 20, 20, MIN_RATIO) == 1.0
+    assert lr_factor(19, 5, 20, MIN_RATIO) == pytest.approx(MIN_RATIO, abs=0.02)
+
+
+def test_a_warm_up_as_long_as_the_schedule_is_warned_about_once(tmp_path):
+    decision = check_earlier_run(_config(tmp_path, "train.warmup=20"), tmp_path / "new", False)
+    assert "train.warmup=20 is not below the learning-rate schedule's 20 steps" in decision.warning
+    assert check_earlier_run(_config(tmp_path), tmp_path / "new", False).warning is None
+
+
+def test_a_folder_that_is_not_a_meshforge_run_is_refused_unless_fresh(tmp_path, job_factory):
+    cfg = _config(tmp_path)
+    foreign = tmp_path / "theirs"
+    foreign.mkdir()
+    (foreign / "config.yaml").write_text("learning_rate: 0.1\n")
+    (foreign / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    (foreign / "report.html").write_text("<p>mine</p>")
+    with pytest.raises(ConfigError, match="not a meshforge run directory"):
+        check_earlier_run(cfg, foreign, fresh=False)
+    assert check_earlier_run(cfg, foreign, fresh=True).finished is None
+    (foreign / "config.yaml").unlink()  # metrics without a config: not ours either
+    with pytest.raises(ConfigError, match="metrics.jsonl but no config.yaml"):
+        check_earlier_run(cfg, foreign, fresh=False)
+    # an empty folder, one with files of other kinds or an empty metrics.jsonl (nothing
+    # to lose), one that does not exist: new runs
+    for name in ("empty", "notes", "no-rows", "absent"):
+        fine = tmp_path / name
+        if fine.name != "absent":
+            fine.mkdir()
+        if fine.name == "notes":
+            (fine / "notes.txt").write_text("mine")
+        if fine.name == "no-rows":
+            (fine / "metrics.jsonl").touch()
+        assert check_earlier_run(cfg, fine, fresh=False).finished is None
+    (tmp_path / "a-file").write_text("mine")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_earlier_run(cfg, tmp_path / "a-file", fresh=True)
+
+    # through the CLI: one line, exit 2, the folder as it was
+    (foreign / "config.yaml").write_text("learning_rate: 0.1\n")
+    before = _tree(foreign)
+    job = job_factory()
+    refused = meshforge(["train", str(job.config_path), "--nproc", "1", "--run-dir", str(foreign)])
+    assert_one_line_error(refused, f"run directory {foreign} is not a meshforge run", "--fresh")
+    assert _tree(foreign) == before
+
+
+def test_fresh_removes_only_what_meshforge_writes_and_names_what_it_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    ours = ["config.yaml", "metrics.jsonl", "segments.jsonl", "report.json", "report.html",
+            "report.png", ".report.html.host.7.tmp", "checkpoints/step-00000010/manifest.json",
+            "checkpoints/.tmp-step-00000020/__0_0.distcp", "logs/rank-0.log",
+            "logs/elastic/none_abc/attempt_0/0/error.json", "health/flight-rank-0.json",
+            "health/diagnosis.json", "export/step-00000010-torch/model.pt",
+            "system/node-0.jsonl", "tensorboard/events.out.tfevents.1.host",
+            ".trace/rank-0.json", ".launch/job-host-7.yaml"]  # fmt: skip
+    theirs = ["notes.md", "logs/my-notes.txt", "checkpoints/README.txt", "export/mine.txt"]
+    for name in ours + theirs:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(name)
+    (run_dir / "checkpoints/step-00000010/manifest.json").write_text('{"files": {}}')
+    (run_dir / ".lock").write_text("")
+    line = remove_earlier_run(run_dir)
+    left = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+    assert left == sorted([".lock", *theirs])
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints", "export",
+                                                          "logs", "notes.md"]  # fmt: skip
+    assert "checkpoints up to step 10" in line, line
+    assert ("kept 4 entries meshforge did not write (checkpoints/README.txt, "
+            "export/mine.txt, logs/my-notes.txt, notes.md)") in line, line  # fmt: skip
+    assert remove_earlier_run(run_dir) is None  # nothing of a run left
+
+
+def test_report_png_of_a_run_without_metrics_is_skipped_with_a_note(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "report.json").write_text(json.dumps({"status": "interrupted", "name": "t"}))
+    proc = meshforge(["report", str(run_dir), "--png"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"meshforge: no {run_dir / 'report.png'}: it has no metrics.jsonl (no step was logged)"
+    ]
+    assert (run_dir / "report.html").is_file() and not (run_dir / "report.png").exists()

@@ -306,6 +306,20 @@ def test_silent_ranks_with_no_lock_holder_ended_without_a_report(run_dir: Path):
     assert not any(line.stale for line in view.ranks)  # nothing runs: nothing hangs
 
 
+def test_fresh_records_with_a_free_lock_ended_without_a_report(run_dir: Path):
+    # the launcher and its workers SIGKILLed a moment ago: their last records are fresh,
+    # but nothing holds the run directory any more
+    with hold_run_dir(run_dir, job_id="killed"):
+        pass
+    assert is_held(run_dir) is False
+    _flight(run_dir, 0)
+    _flight(run_dir, 1)
+    _metrics(run_dir, [_row(11), _row(12)])
+    view = read_run(run_dir, now=NOW)
+    assert view.status == "ended without a report" and view.ended
+    assert view.eta_s is None and not any(line.stale for line in view.ranks)
+
+
 def test_a_completed_report_ends_the_run(run_dir: Path):
     _flight(run_dir, 0, status="finished", step=40, time=NOW - 5)
     _flight(run_dir, 1, status="finished", step=40, time=NOW - 5)

@@ -67,20 +67,41 @@ def test_a_factory_job_trains_through_the_cli_under_zero2(job_factory):
     assert losses[6] < losses[1]
 
 
-@pytest.mark.parametrize(
-    ("model", "parallel", "fragments"),
-    [
-        ({"name": "no_such_module:make"}, {}, ["model.name=no_such_module:make", "cannot import"]),
-        ({"name": "user_models:nothing"}, {}, ["user_models has no nothing"]),
-        ({"name": "user_models:not_a_module"}, {}, ["returned dict", "nn.Module"]),
-        ({"name": "user_models:broken"}, {}, ["raised RuntimeError", "no GPU here"]),
-        ({"name": "user_models:tiny_lm", "d_model": 64}, {}, ["model.d_model", "model.kwargs"]),
-        ({"name": "user_models:tiny_lm"}, {"tp": 2}, ["model.tp_plan"]),
-    ],
-    ids=["no-module", "no-attribute", "not-a-module", "raises", "shape-field", "tp-no-plan"],
-)
-def test_a_factory_that_cannot_be_built_is_one_line(job_factory, model, parallel, fragments):
+BAD_FACTORIES = [
+    ({"name": "no_such_module:make"}, {}, ["model.name=no_such_module:make", "cannot import"]),
+    ({"name": "user_models:nothing"}, {}, ["user_models has no nothing"]),
+    ({"name": "user_models:not_a_module"}, {}, ["returned dict", "nn.Module"]),
+    ({"name": "user_models:broken"}, {}, ["raised RuntimeError", "no GPU here"]),
+    ({"name": "user_models:tiny_lm", "d_model": 64}, {}, ["model.d_model", "model.kwargs"]),
+    ({"name": "user_models:tiny_lm", "n_layers": 4}, {}, ["model.n_layers", "model.kwargs"]),
+    ({"name": "user_models:tiny_lm"}, {"tp": 2}, ["model.tp_plan"]),
+    ({"name": "user_models:returns_a_tuple"}, {}, ["(1, 32, 256)", "returned tuple"]),
+    ({"name": "user_models:tiny_lm", "kwargs": {"vocab": 100}}, {}, ["returned (1, 32, 100)"]),
+    ({"name": "user_models:flat_lm"}, {"pp": 2}, ["parallel.pp=2", "stage layout"]),
+]
+BAD_IDS = ["no-module", "no-attribute", "not-a-module", "raises", "shape-field",
+           "shape-field-at-its-default", "tp-no-plan", "returns-a-tuple", "wrong-vocab",
+           "pp-without-stage-layout"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "parallel", "fragments"), BAD_FACTORIES, ids=BAD_IDS)
+def test_a_factory_that_cannot_be_built_is_refused_at_launch(model, parallel, fragments):
+    from meshforge.config import build_config
+    from meshforge.errors import ConfigError
+    from meshforge.launch.train import validate_job
+
+    raw = {**job(parallel), "model": {**model, "seq_len": 32}}
+    with pytest.raises(ConfigError) as info:
+        validate_job(build_config(raw), 2)  # what every launcher runs before any worker
+    assert len(str(info.value).splitlines()) == 1
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("case", [0, 8], ids=[BAD_IDS[0], BAD_IDS[8]])
+def test_the_cli_refuses_a_bad_factory_in_one_line_before_any_worker(job_factory, case):
+    model, parallel, fragments = BAD_FACTORIES[case]
     job = _with_model(job_factory({"parallel": parallel}), {**model, "seq_len": 32})
     proc = job.train(2, env={"PYTHONPATH": TESTS}, check=False)
     assert_one_line_error(proc, *fragments)
-    assert not (job.run_dir / "checkpoints").exists()
+    assert not job.run_dir.exists()

@@ -61,5 +61,18 @@ def not_a_module(**kwargs):
     return {"weights": 1}
 
 
+def flat_lm(vocab: int = 256, width: int = 16) -> nn.Module:
+    """A model without the stage layout: no pipeline can cut it."""
+    return nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, vocab))
+
+
+def returns_a_tuple(**kwargs):
+    class Pair(TinyLM):
+        def forward(self, idx):
+            return super().forward(idx), None
+
+    return Pair(256, 16, 2)
+
+
 def broken(**kwargs):
     raise RuntimeError("no GPU here")

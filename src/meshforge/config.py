@@ -14,6 +14,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -106,13 +107,24 @@ class ModelConfig(_Section):
 
     def _check_factory(self) -> None:
         for key, unset in _SHAPE.items():
-            if getattr(self, key) != unset:
+            # given at all (even at its default value), or set to something else
+            if key in self.model_fields_set or getattr(self, key) != unset:
                 raise ValueError(
                     f"model.{key} shapes meshforge's own models; a factory model "
                     f"({self.name}) takes its shape from model.kwargs"
                 )
         if self.tp_plan is not None and not _FACTORY.match(self.tp_plan):
             raise ValueError(f"model.tp_plan={self.tp_plan!r}: expected 'package.module:function'")
+
+    @model_serializer(mode="wrap")
+    def _without_unused_shape(self, handler: Any) -> dict[str, Any]:
+        """A factory model's dump leaves out the shape fields of meshforge's own models
+        (they do not apply, and given back they would be refused)."""
+        data = handler(self)
+        if self.is_factory:
+            for key in _SHAPE:
+                data.pop(key, None)
+        return data
 
     @property
     def is_factory(self) -> bool:

@@ -47,9 +47,9 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
     """Fabric.save: write `state` to the checkpoint directory `path` (collective)."""
     from meshforge.train.checkpoint import (
         commit_checkpoint_dir,
-        hash_own_files,
         problem_from_rank0,
         why_write_failed,
+        write_and_hash,
     )
 
     fabric._runtime()
@@ -90,25 +90,10 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
             problem = why_write_failed(exc, parent)
     fail_all(problem_from_rank0(problem))
     # 2. every rank writes its shards (DCP's save is collective) and hashes them
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    own: dict[str, Any] = {}
-    try:
-        dcp.save(to_write, checkpoint_id=str(tmp))
-        own = hash_own_files(tmp, rank)
-        problem = None
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        problem = why_write_failed(exc, parent)
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (own, problem))
-    fail_all(next((p for _, p in parts if p is not None), None))
+    merged = write_and_hash(to_write, tmp, parent, fail_all)
     # 3. rank 0 commits: the index, the manifest, the rename into place
     problem = None
     if rank == 0:
-        merged: dict[str, Any] = {}
-        for hashes, _ in parts:
-            merged.update(hashes)
         index = {
             "format": "meshforge-fabric-v1",
             "entries": entries,

@@ -82,6 +82,7 @@ def _run_recorded(settings: FabricSettings, fn: Callable[[Fabric], T], record_di
 
 def spawn(settings: FabricSettings, fn: Callable[[Fabric], T], nproc: int) -> T | None:
     """Run fn on nproc local workers through the elastic agent (the machinery of torchrun)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -96,6 +97,8 @@ def spawn(settings: FabricSettings, fn: Callable[[Fabric], T], nproc: int) -> T 
             results = elastic_launch(config, _run_recorded)(settings, fn, work)
         except ChildFailedError as exc:
             raise _worker_error(exc, Path(work) / "health") from None
+        except SignalException as exc:  # Ctrl-C or SIGTERM: the agent stopped the workers
+            raise KeyboardInterrupt(f"stopped by signal {exc.sigval}") from None
     return results.get(0)
 
 

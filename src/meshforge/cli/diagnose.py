@@ -95,8 +95,8 @@ def diagnose(
     as_json: Annotated[bool, typer.Option("--json", help="Print the diagnosis as JSON.")] = False,
 ) -> None:
     """Explain a failed, hung, stopped or finished run: a verdict (rank_crashed, oom,
-    network_partition, hang, straggler, ok, stopped), the ranks and hosts to blame, the
-    evidence and advice."""
+    network_partition, hang, straggler, ok, stopped, ended, running), the ranks and hosts
+    to blame, the evidence and advice."""
     from meshforge.health.diagnose import diagnose_run
 
     d = diagnose_run(run_dir)

@@ -3,6 +3,7 @@ overlaid; prints where it wrote it. The page is observe/html_report.py's."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -47,5 +48,15 @@ def report_command(
         from meshforge.observe.plots import plot_report
 
         for run in runs:
-            plot_report(read_jsonl(run / "metrics.jsonl"), run / "report.png")
+            rows, reason = [], "its metrics.jsonl has no rows"
+            try:
+                rows = read_jsonl(run / "metrics.jsonl")
+            except FileNotFoundError:
+                reason = "it has no metrics.jsonl (no step was logged)"
+            except (OSError, ValueError) as exc:
+                reason = f"cannot read its metrics.jsonl: {getattr(exc, 'strerror', None) or exc}"
+            if not rows:  # the page says what the run has; a plot of nothing would not
+                print(f"meshforge: no {run / 'report.png'}: {reason}", file=sys.stderr)
+                continue
+            plot_report(rows, run / "report.png")
             print(run / "report.png")

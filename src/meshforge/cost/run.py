@@ -1,6 +1,7 @@
 """The cost of one training run, owned versus rented, and what synchronisation cost.
 
-A run uses G GPUs for T seconds: G·T/3600 GPU-hours. Owned, each costs the
+A run uses G GPUs for T seconds: G·T/3600 GPU-hours (a run resumed at another world
+size: the sum over its segments). Owned, each costs the
 cluster's owned $/GPU-hour at its expected utilisation; rented, the cloud price.
 Money lost to synchronisation = exposed communication fraction x cost (the share
 of the step during which GPUs wait on the network instead of computing).
@@ -45,8 +46,11 @@ def run_cost(
     source: str,
     steps: int | None = None,
     step_time_s: float | None = None,
+    gpu_s: float | None = None,
 ) -> RunCost:
-    gpu_hours = gpus * wall_s / 3600.0
+    """`gpu_s`: the GPU-seconds when they are not gpus x wall_s (a run whose segments
+    had different world sizes)."""
+    gpu_hours = (gpus * wall_s if gpu_s is None else gpu_s) / 3600.0
     owned = gpu_hours * costs.owned_per_gpu_hour_usd
     rented = gpu_hours * costs.cloud_per_gpu_hour_usd
     frac = exposed_comm_fraction
@@ -72,11 +76,34 @@ def _number(report: dict[str, Any], key: str, where: str) -> float:
     return float(value)
 
 
+def run_usage(report: dict[str, Any], where: str) -> tuple[int, float, float]:
+    """(GPUs, wall seconds, GPU-seconds) of the run a report describes. A run of several
+    segments (resumed, perhaps at another world size) used sum(world_size_i x wall_s_i)
+    GPU-seconds over its segments, and GPUs is its last segment's world size. A report
+    without segments, or with a segment whose size or wall time is unknown: world_size
+    x wall_time_s (or x steps x step_time_s)."""
+    gpus = int(_number(report, "world_size", where))
+    segments = report.get("segments")
+    if isinstance(segments, list) and segments:
+        pairs = [(s.get("world_size"), s.get("wall_s")) for s in segments if isinstance(s, dict)]
+        known = len(pairs) == len(segments) and all(
+            isinstance(n, int) and n > 0 and isinstance(w, int | float) and w >= 0 for n, w in pairs
+        )
+        if known:
+            return gpus, sum(w for _, w in pairs), sum(n * w for n, w in pairs)
+    steps = int(_number(report, "steps", where))
+    step_s = _number(report, "step_time_s", where)
+    wall = report.get("wall_time_s")
+    wall_s = float(wall) if isinstance(wall, int | float) and wall > 0 else steps * step_s
+    return gpus, wall_s, gpus * wall_s
+
+
 def run_cost_from_report(run_dir: str | Path, costs: Tco) -> RunCost:
     """Cost of a finished run from RUN_DIR/report.json (measured).
 
-    Uses world_size, wall_time_s (or steps x step_time_s) and the
-    time_breakdown.exposed_comm fraction when the report has one."""
+    GPU-hours from the segments' world_size x wall_s (`run_usage`), else world_size x
+    wall_time_s (or steps x step_time_s); the time_breakdown.exposed_comm fraction when
+    the report has one."""
     path = Path(run_dir) / "report.json"
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no report.json in it")
@@ -86,15 +113,13 @@ def run_cost_from_report(run_dir: str | Path, costs: Tco) -> RunCost:
         raise ConfigError(f"{path}: not valid JSON") from None
     if not isinstance(report, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    gpus = int(_number(report, "world_size", str(path)))
+    gpus, wall_s, gpu_s = run_usage(report, str(path))
     steps = int(_number(report, "steps", str(path)))
     step_s = _number(report, "step_time_s", str(path))
-    wall = report.get("wall_time_s")
-    wall_s = float(wall) if isinstance(wall, int | float) and wall > 0 else steps * step_s
     breakdown = report.get("time_breakdown") or {}
     frac = breakdown.get("exposed_comm") if isinstance(breakdown, dict) else None
     frac = float(frac) if isinstance(frac, int | float) else None
-    return run_cost(gpus, wall_s, frac, costs, "measured", steps, step_s)
+    return run_cost(gpus, wall_s, frac, costs, "measured", steps, step_s, gpu_s)
 
 
 def run_cost_from_plan(prediction: Prediction, tokens: float, costs: Tco) -> RunCost:

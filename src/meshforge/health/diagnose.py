@@ -18,8 +18,10 @@ The verdict, in this order:
   the others waited for.
 - `straggler`: the run completed and named a rank consistently slower than the median.
 - `ok`: the run completed. `stopped`: a SIGTERM or Ctrl-C stopped it (with the step it
-  checkpointed). `running`: no failure yet and the ranks make progress. `unknown`:
-  nothing to go on.
+  checkpointed). `ended`: no report, failure or stop was recorded and nothing holds the
+  run directory any more: its launcher and workers were killed (SIGKILL, a lost node).
+  `running`: no failure yet, the ranks make progress and the run directory is held.
+  `unknown`: nothing to go on.
 
 `diagnose_run` returns a dict: verdict, a one-line summary, the ranks and hosts to
 blame, the evidence (one row per rank, and who waited for whom) and advice.
@@ -46,6 +48,7 @@ VERDICTS = (
     "straggler",
     "ok",
     "stopped",
+    "ended",
     "running",
     "unknown",
 )
@@ -119,6 +122,8 @@ def judge(ev: Evidence) -> dict[str, Any]:
     if ev.stopped_by or status in ("stopped", "interrupted"):
         return _stopped(ev, status == "stopped")
     if ev.live:
+        if ev.held is False:  # nothing holds the run directory: nothing runs there
+            return _ended_without_report(ev)
         return _live(ev)
     return _failed(ev)
 
@@ -323,6 +328,33 @@ def _stopped(ev: Evidence, reported: bool) -> dict[str, Any]:
         )
     result = _verdict(ev, "stopped", [], summary, [])
     result["step"] = (stopped or {}).get("step")
+    return result
+
+
+def _ended_without_report(ev: Evidence) -> dict[str, Any]:
+    """No report, failure or stop recorded, and no process holds the run directory: the
+    launcher and its workers ended without a word (SIGKILL, a lost node). Its last step
+    is the furthest the records got: the flight records lag the metrics rows by up to
+    observe.flight_every_s."""
+    steps = [r.steps_done for r in ev.ranks.values()] + [ev.logged_step or 0]
+    step = max(steps)
+    again = (
+        "resumes from its newest checkpoint"
+        if any((Path(ev.run_dir) / "checkpoints").glob("step-*"))
+        else "starts over (no checkpoint was written)"
+    )
+    at = f"after step {step}" if step else "before its first step"
+    summary = (
+        f"the run ended {at} without a report, and nothing holds its run directory: its "
+        f"launcher and workers were killed (SIGKILL? a lost node?); the same command {again}"
+    )
+    advice = [
+        "the kernel's OOM killer kills with SIGKILL: `dmesg | grep -i -e oom -e killed`",
+        f"the ranks' logs: {ev.run_dir / 'logs'}",
+    ]
+    result = _verdict(ev, "ended", [], summary, advice)
+    result["status"] = "ended without a report"
+    result["step"] = step or None
     return result
 
 

@@ -7,7 +7,10 @@
 - the elastic agent's record of how each local process ended, exit code or signal
   (health/diagnosis.json, or `failure` in report.json; launch/local.py);
 - report.json (status, hosts, stragglers, a stop, restarts) and config.yaml (the
-  timeouts and the flight record's period).
+  timeouts and the flight record's period);
+- for a run that looks live: whether anything holds its run directory (RUN_DIR/.lock,
+  runtime/runlock.py; nothing does once its launcher and workers are gone) and the
+  step of the newest metrics.jsonl row.
 
 Records of an earlier attempt or launch in the same run directory are left out: a
 failure record older than its rank's flight record, an agent record older than the
@@ -145,6 +148,10 @@ class Evidence:
     now: float  # the moment the evidence describes: the last record, or now for a live run
     live: bool  # no failure, stop or completion recorded: the run may still be going
     missing: list[int] = field(default_factory=list)  # ranks of the world with no record
+    # while live: whether a process holds the run directory (None: cannot be told), and
+    # the step of the newest metrics row (it may be ahead of the flight records)
+    held: bool | None = None
+    logged_step: int | None = None
 
     def setting(self, section: str, key: str, default: Any) -> Any:
         value = (self.config.get(section) or {}).get(key)
@@ -236,4 +243,12 @@ def collect(
     now = time.time() if live or not stamps else max(stamps)
     world = max((r.flight.get("world_size") or 0 for r in ranks.values()), default=0)
     missing = [k for k in range(world) if k not in ranks]
-    return Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
+    ev = Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
+    if live and agent_failures is None:  # not the launcher (which holds the directory)
+        from meshforge.observe.top import tail_rows
+        from meshforge.runtime.runlock import is_held
+
+        ev.held = is_held(run_dir)
+        steps = [row.get("step") for row in tail_rows(run_dir / "metrics.jsonl")[-1:]]
+        ev.logged_step = next((int(s) for s in steps if isinstance(s, int | float)), None)
+    return ev

@@ -267,7 +267,7 @@ def launch_training(argv: list[str]) -> int:
     from meshforge.errors import ConfigError
     from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
     from meshforge.launch.train import layout_line, prepare_job, report_failure
-    from meshforge.train.timing import mark_launch
+    from meshforge.train.timing import mark_launch, record_exit
 
     mark_launch()  # the workers' start-up is timed from this process's start
     launch = parse_launch_args(argv)
@@ -316,6 +316,8 @@ def launch_training(argv: list[str]) -> int:
             print(line, flush=True)
     for warning in launch.warnings:
         print(f"meshforge: warning: {warning}", file=sys.stderr, flush=True)
+    if job.schedule_warning:
+        print(job.schedule_warning, file=sys.stderr, flush=True)
     if job.world is not None and job.cfg.parallel != "auto":
         print(layout_line(job.cfg, job.world, job.run_dir), flush=True)
     else:
@@ -346,24 +348,30 @@ def launch_training(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from meshforge.launch.ctrl_c import CtrlC
+
     launched = time.time()
+    ctrl_c = CtrlC().install(config)  # a second Ctrl-C kills the workers (launch/ctrl_c.py)
     try:
         diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir, runtime.grace_s)
     except SignalException as exc:
-        # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers.
+        # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers
+        # (or, after a second Ctrl-C, they were killed).
         name = signal.Signals(exc.sigval).name
         from meshforge.health.diagnose import write_diagnosis
 
         where = _where_to_resume(job.run_dir, launched)
         if not multi:  # this launcher holds the run directory; its workers are gone
             _report_interrupted(job, name, launched)
+            record_exit(job.run_dir)
         write_diagnosis(job.run_dir, stopped_by=name)
-        print(f"meshforge: stopped by {name}; {where}", file=sys.stderr, flush=True)
+        how = name
+        if ctrl_c.killed:
+            how, where = f"{name} twice: the workers were killed", _where_after_kill(job.run_dir)
+        print(f"meshforge: stopped by {how}; {where}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     if diagnosis is None:
         if not multi:  # the workers have exited: the report's shutdown time is known
-            from meshforge.train.timing import record_exit
-
             record_exit(job.run_dir)
         return 0
     return report_failure(job.run_dir, diagnosis)
@@ -386,6 +394,15 @@ def _given(argv: list[str], flag: str, env: str) -> bool:
     """Whether the user set a torchrun option (either spelling, or its PET_ variable)."""
     spellings = (flag, flag.replace("-", "_").replace("__", "--", 1))
     return env in os.environ or any(a.split("=")[0] in spellings for a in argv)
+
+
+def _where_after_kill(run_dir: Path) -> str:
+    from meshforge.launch.rundir import committed_checkpoints
+
+    steps = committed_checkpoints(run_dir)
+    if not steps:
+        return "no checkpoint was written; the same command starts over"
+    return f"the same command resumes from the last checkpoint, at step {steps[-1]}"
 
 
 def _where_to_resume(run_dir: Path, since: float) -> str:

@@ -331,8 +331,11 @@ def submit_mpi(
         return 0
     if not dry_run:
         mark_held_for_workers(prepared.run_dir)  # before mpirun_command: it is forwarded
-    if prepared.auto_line:
-        print(prepared.auto_line)
+    for line in (prepared.auto_line, prepared.history_line):
+        if line:
+            print(line)
+    if prepared.schedule_warning:
+        print(prepared.schedule_warning, file=sys.stderr)
     print(layout_line(prepared.cfg, launch.np, prepared.run_dir))
     cmd = mpirun_command(
         mpirun_path,

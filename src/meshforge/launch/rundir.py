@@ -1,21 +1,34 @@
 """What a launcher does with a run directory that holds a run already.
 
 A run directory keeps one run's whole history, and a launch never overwrites it
-unasked. Before anything is written (`prepare_job` calls `check_earlier_run`):
+unasked. Before anything is written (`prepare_job` calls `check_earlier_run`), the
+directory is read (its newest committed checkpoint, segments.jsonl, report.json,
+config.yaml; never report.json alone, which may be missing or stale) and decided:
 
-- nothing of a run there yet: a new run;
-- `--fresh`: the earlier run's files are removed, under the run lock, and a new run
-  starts (`remove_earlier_run`, one line says so);
+- a file, not a directory: refused (exit 2);
+- a job there now (its run lock is held): left to the lock, which refuses the launch;
+- nothing of a run there (absent, empty, or only files meshforge does not write): a
+  new run;
+- not a meshforge run (its config.yaml is not a job config, or it holds metrics.jsonl
+  or report.json without one): refused, exit 2, one line; `--fresh` takes it over;
+- `--fresh`: what meshforge wrote there is removed, under the run lock, and a new run
+  starts (`remove_earlier_run`, one line says what went and what stayed);
 - another model (any `model.*` field differs from the run's config.yaml): refused,
   exit 2, one line naming the fields; the checkpoints could not load into it;
-- finished (its report says completed, and its final checkpoint is at or past
-  `train.steps`): one line says where the results are and how to extend it or start
-  over; nothing is written and the launch exits 0;
-- otherwise the run goes on from its newest checkpoint: a resume after a crash or a
-  stop, or, when `train.steps` grew past a finished run's, an extension. The learning
-  rate keeps the schedule the run started with (train/optim.py): past its horizon it
-  stays at `lr * min_lr_ratio`. Layout changes (dp, zero, tp, pp) are allowed: the
-  checkpoints reshard.
+- nothing to train (its newest checkpoint is at or past `train.steps`: a finished run,
+  or one stopped past a smaller `train.steps`): one line says the step the run reached,
+  where its results are and how to extend it or start over; nothing is written and the
+  launch exits 0;
+- otherwise the run goes on from its newest checkpoint (none: from step 0): a resume
+  after a crash or a stop, or, when `train.steps` grew past a finished run's, an
+  extension (a line says so, with what the learning rate does). The learning rate
+  keeps the schedule the run started with (train/schedule.py): past its horizon it
+  stays at its value at the horizon's last step, so it never jumps. Layout changes
+  (dp, zero, tp, pp) are allowed: the checkpoints reshard.
+
+A checkpoint counts when it is committed: its manifest is there and names files that
+are there with their sizes. Their checksums are the workers' to verify when they load
+it (hashing a large checkpoint here would slow every launch).
 
 Plain Python (no torch): it runs in the launcher before any worker starts.
 """
@@ -25,7 +38,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +47,44 @@ import yaml
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.runtime import runlock
+from meshforge.train.schedule import lr_factor
+from meshforge.train.segments import SEGMENTS_FILE, read_records
 
-# What meshforge writes into a run directory (`--fresh` removes these, and only these).
+# What meshforge writes into a run directory, and `--fresh` removes: these entries
+# (glob patterns) at its top, and in each of its folders the entries named here; a
+# folder left empty goes too. Anything else (a file of yours in logs/, say) stays.
 RUN_FILES = (
     "config.yaml",
     "metrics.jsonl",
-    "segments.jsonl",
+    SEGMENTS_FILE,
     "report.json",
     "report.json.tmp",
     "report.png",
     "report.html",
     "trace.json",
-    ".trace",
-    ".launch",
-    "checkpoints",
-    "logs",
-    "health",
-    "system",
-    "tensorboard",
-    "wandb",
-    "export",
+    "compare-*.html",
+    ".*.tmp",  # atomic writes caught halfway (fileio.write_text_atomic, plots)
 )
-RUN_FILE_PATTERNS = ("compare-*.html", ".*.tmp")
-_MARKERS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", "segments.jsonl")
+RUN_FOLDERS = {
+    "checkpoints": ("step-*", ".tmp-step-*"),
+    "logs": ("rank-*.log", "elastic"),
+    "health": (
+        "diagnosis.json",
+        "flight-rank-*.json",
+        "failure-rank-*.json",
+        "restarts.jsonl",
+        "preflight.json",
+        ".*.tmp",
+    ),
+    "system": ("*.jsonl", ".*.tmp"),
+    "tensorboard": ("events.out.tfevents.*",),
+    "wandb": ("meshforge-run-id", "run-*", "offline-run-*", "latest-run", "debug*.log"),
+    "export": ("step-*-*", ".step-*"),
+    ".launch": ("job-*.yaml",),
+    ".trace": ("rank-*.json",),
+}
+_MARKERS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", SEGMENTS_FILE)
+_TRAINER_STATE = "trainer_state.json"  # train/checkpoint.py's TRAINER_STATE
 
 
 @dataclass
@@ -67,19 +95,48 @@ class EarlierRun:
     config: dict[str, Any]  # config.yaml as written ({} when absent or unreadable)
     report: dict[str, Any]  # report.json ({} when absent or unreadable)
     checkpoints: list[int]  # steps of the committed checkpoints
+    records: list[dict[str, Any]] = field(default_factory=list)  # segments.jsonl
 
     @property
-    def finished_at(self) -> int | None:
-        """The step a completed run ended at, when its final checkpoint is there."""
-        steps = self.report.get("steps")
-        if self.report.get("status") != "completed" or not isinstance(steps, int):
-            return None
-        return steps if steps in self.checkpoints else None
+    def reached(self) -> int | None:
+        """The step of its newest committed checkpoint: where it goes on from."""
+        return self.checkpoints[-1] if self.checkpoints else None
 
     @property
-    def lr_horizon(self) -> int | None:
-        horizon = self.report.get("lr_horizon")
-        return horizon if isinstance(horizon, int) else None
+    def completed(self) -> bool:
+        """Whether it finished at `reached` (rather than stopped or crashed there): a
+        segment ended there completed, or its report says so."""
+        step = self.reached
+        if step is None:
+            return False
+        for r in self.records:
+            if r.get("event") == "end" and r.get("ended") == "completed":
+                if r.get("end_step") == step:
+                    return True
+        return self.report.get("status") == "completed" and self.report.get("steps") == step
+
+    def lr_horizon(self, steps: int) -> int:
+        """The horizon the workers' schedule will have: the newest checkpoint's (what
+        they load), `steps` for a run that starts from step 0 or a checkpoint written
+        before horizons were recorded (as train/trainer.py does)."""
+        if self.reached is None:
+            return steps
+        state = _read(self.run_dir / "checkpoints" / _step_dir(self.reached) / _TRAINER_STATE,
+                      json.loads)  # fmt: skip
+        horizon = state.get("lr_horizon")
+        return horizon if isinstance(horizon, int) and horizon > 0 else steps
+
+
+@dataclass
+class Decision:
+    """What `check_earlier_run` decided: `finished`, the one line to print and exit 0
+    with (nothing to train; nothing was written); `note`, a line about the run going
+    on (an extension, or a resume past the schedule's horizon); `warning`, a line about
+    the schedule (a warm-up as long as it)."""
+
+    finished: str | None = None
+    note: str | None = None
+    warning: str | None = None
 
 
 def _read(path: Path, parse) -> dict[str, Any]:
@@ -90,26 +147,54 @@ def _read(path: Path, parse) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _step_dir(step: int) -> str:
+    return f"step-{step:08d}"  # train/checkpoint.py's step_dir_name
+
+
+def _committed(directory: Path) -> bool:
+    """Its manifest is there and every file it names is there with its size."""
+    manifest = _read(directory / "manifest.json", json.loads)
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return False
+    try:
+        return all((directory / rel).stat().st_size == meta["bytes"] for rel, meta in files.items())
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def committed_checkpoints(run_dir: Path) -> list[int]:
+    """The steps of RUN_DIR's committed checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    steps = []
+    for p in root.glob("step-*") if root.is_dir() else []:
+        try:
+            step = int(p.name[5:])
+        except ValueError:
+            continue
+        if _committed(p):
+            steps.append(step)
+    return sorted(steps)
+
+
 def earlier_run(run_dir: Path) -> EarlierRun | None:
-    """The run RUN_DIR holds, or None when it holds none (absent, empty, or only a lock)."""
+    """The run RUN_DIR holds, or None when it holds none (absent, empty, or only a lock
+    and files meshforge does not write)."""
     run_dir = Path(run_dir)
     if not any((run_dir / name).exists() for name in _MARKERS):
         return None
-    steps = []
-    root = run_dir / "checkpoints"
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith("step-") and (p / "manifest.json").is_file():
-                try:
-                    steps.append(int(p.name[5:]))
-                except ValueError:
-                    continue
     return EarlierRun(
         run_dir,
         _read(run_dir / "config.yaml", yaml.safe_load),
         _read(run_dir / "report.json", json.loads),
-        sorted(steps),
+        committed_checkpoints(run_dir),
+        read_records(run_dir),
     )
+
+
+def is_job_config(config: dict[str, Any]) -> bool:
+    """Whether a config.yaml is a meshforge job's (as `save_config` writes it)."""
+    return all(isinstance(config.get(key), dict) for key in ("model", "data", "train"))
 
 
 def model_changes(earlier: dict[str, Any], cfg: JobConfig) -> list[str]:
@@ -131,65 +216,174 @@ def model_changes(earlier: dict[str, Any], cfg: JobConfig) -> list[str]:
     ]
 
 
-def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> tuple[str | None, str | None]:
-    """(finished, note) for a launch of CFG into RUN_DIR, deciding before anything is
-    written: `finished` is the one line to print and exit 0 with when the run there is
-    complete; `note` a line to print when the launch extends a finished run. Raises
-    ConfigError (exit 2) when RUN_DIR holds a run of another model."""
+def check_run_dir_path(run_dir: Path) -> None:
+    """A run directory that names a file is refused before anything else."""
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory")
+
+
+def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> Decision:
+    """What a launch of CFG into RUN_DIR does with the run there, decided before
+    anything is written (the module's docstring has the rules). Raises ConfigError
+    (exit 2) for a file, a folder that is not a meshforge run, or a run of another
+    model."""
+    run_dir = Path(run_dir)
+    check_run_dir_path(run_dir)
+    if runlock.is_held(run_dir):  # a job there now: its lock refuses this launch
+        return Decision()
     earlier = None if fresh else earlier_run(run_dir)
     if earlier is None:
-        return None, None
+        return Decision(warning=warmup_warning(cfg, cfg.train.steps))
+    check_is_a_run(earlier)
     changed = model_changes(earlier.config, cfg)
     if changed:
         raise ConfigError(
             f"run directory {run_dir} holds a run of another model ({', '.join(changed)}); "
             "start over there with --fresh, or use another --run-dir"
         )
-    done = earlier.finished_at
-    if done is None or runlock.is_held(run_dir):  # a job there now: the lock answers
-        return None, None
-    if done >= cfg.train.steps:
-        where = shlex.quote(str(run_dir))
-        return (
-            f"meshforge: {run_dir} has finished its {done} steps (results: "
-            f"{run_dir / 'report.json'}, meshforge report {where}); to train on: "
-            f"--set train.steps=N with N > {done}; to start over: --fresh"
-        ), None
-    t, horizon = cfg.train, earlier.lr_horizon
-    note = f"meshforge: extending the finished run in {run_dir} from step {done} to {t.steps}"
-    if horizon is None:  # a run from before horizons were recorded
-        return None, note
-    return None, (
-        f"{note}; past step {horizon}, the end of its schedule, the learning rate stays at "
-        f"lr x min_lr_ratio = {t.lr * t.min_lr_ratio:.3g}"
+    t, reached = cfg.train, earlier.reached
+    horizon = earlier.lr_horizon(t.steps)
+    if reached is not None and reached >= t.steps:
+        return Decision(finished=_nothing_to_train(earlier, t.steps))
+    warning = warmup_warning(cfg, horizon)
+    if reached is None:
+        return Decision(warning=warning)
+    span = f"in {run_dir} from step {reached} to {t.steps}"
+    if earlier.completed:
+        note = f"meshforge: extending the finished run {span}"
+    elif t.steps > horizon:
+        note = f"meshforge: resuming the run {span}"
+    else:
+        return Decision(warning=warning)  # the workers say they resumed
+    return Decision(note=note + lr_past_horizon(cfg, horizon), warning=warning)
+
+
+def check_is_a_run(earlier: EarlierRun) -> None:
+    """Refuse a folder that is not a meshforge run (a launch would overwrite its
+    config.yaml and report.html and append to its metrics.jsonl): its config.yaml is
+    not a job config, or it holds metrics.jsonl (with rows: an empty one loses nothing)
+    or report.json with neither a config.yaml nor a committed checkpoint."""
+    run_dir = earlier.run_dir
+    config = run_dir / "config.yaml"
+    if config.exists() and not is_job_config(earlier.config):
+        has = "a config.yaml that is not a meshforge job config"
+    elif not config.exists() and not earlier.checkpoints:
+        found = [n for n in ("metrics.jsonl", "report.json") if _has_data(run_dir / n)]
+        if not found:
+            return
+        has = f"{' and '.join(found)} but no config.yaml"
+    else:
+        return
+    raise ConfigError(
+        f"run directory {run_dir} is not a meshforge run directory (it holds {has}); use "
+        "another --run-dir, or --fresh to start a run there (it replaces the files a run "
+        "writes: config.yaml, metrics.jsonl, report.*)"
+    )
+
+
+def _has_data(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _nothing_to_train(earlier: EarlierRun, steps: int) -> str:
+    run_dir, reached = earlier.run_dir, earlier.reached
+    where = shlex.quote(str(run_dir))
+    report = run_dir / "report.json"
+    results = f"results: {report}, meshforge report {where}" if report.is_file() else (
+        f"results: meshforge report {where}")  # fmt: skip
+    if earlier.completed:
+        what = f"has finished its {reached} steps"
+    else:
+        what = (
+            f"has trained to step {reached} already (its newest checkpoint), past "
+            f"train.steps={steps}: nothing to train"
+        )
+    return (
+        f"meshforge: {run_dir} {what} ({results}); to train on: --set train.steps=N with "
+        f"N > {reached}; to start over: --fresh"
+    )
+
+
+def lr_past_horizon(cfg: JobConfig, horizon: int) -> str:
+    """What the learning rate does for a run going on to `train.steps` whose schedule
+    ends at `horizon` (train/schedule.py: its value at the last step, ever after)."""
+    t = cfg.train
+    if t.steps <= horizon:
+        return f"; the learning rate follows the schedule the run started with (to step {horizon})"
+    final = t.lr * lr_factor(horizon - 1, t.warmup, horizon, t.min_lr_ratio)
+    return (
+        f"; past step {horizon}, the end of its learning-rate schedule (fixed when the run "
+        f"started), the learning rate stays at its value at step {horizon}, {final:.3g}"
+    )
+
+
+def warmup_warning(cfg: JobConfig, horizon: int) -> str | None:
+    """A schedule whose warm-up is as long as it never decays: say so once, at launch."""
+    t = cfg.train
+    if t.warmup < horizon:
+        return None
+    top = t.lr * lr_factor(horizon - 1, t.warmup, horizon, t.min_lr_ratio)
+    return (
+        f"meshforge: warning: train.warmup={t.warmup} is not below the learning-rate "
+        f"schedule's {horizon} steps: the learning rate warms up to {top:.3g} and never "
+        "decays (the cosine never runs); a warm-up shorter than train.steps decays it"
     )
 
 
 def remove_earlier_run(run_dir: Path) -> str | None:
-    """`--fresh`: remove what meshforge wrote into RUN_DIR (its lock file stays: the
-    caller holds it); files meshforge does not write are left. The line to print, or
-    None when there was nothing to remove."""
+    """`--fresh`: remove what meshforge wrote into RUN_DIR (RUN_FILES, RUN_FOLDERS),
+    keeping its lock files (the caller holds them) and anything meshforge does not
+    write. The line to print, naming what was kept, or None when nothing was removed."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
-    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
-    for pattern in RUN_FILE_PATTERNS:
-        found += [p for p in run_dir.glob(pattern) if p not in found]
-    if not found:
-        return None
     earlier = earlier_run(run_dir)
     reached = max(earlier.checkpoints, default=None) if earlier else None
+    found: list[Path] = []
+    for pattern in RUN_FILES:
+        found += [p for p in sorted(run_dir.glob(pattern)) if p not in found]
+    folders = [run_dir / name for name in RUN_FOLDERS if (run_dir / name).is_dir()]
+    for folder in folders:
+        for pattern in RUN_FOLDERS[folder.name]:
+            found += [p for p in sorted(folder.glob(pattern)) if p not in found]
     for path in found:
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        except OSError as exc:
-            raise ConfigError(f"--fresh: cannot remove {path}: {exc.strerror or exc}") from None
-    kept = [p.name for p in run_dir.iterdir() if p.name != runlock.LOCK_FILE]
+        _remove(path)
+    for folder in folders:  # emptied, it goes too (a link to a folder elsewhere stays)
+        if not folder.is_symlink() and not any(folder.iterdir()):
+            _remove(folder)
+    if not found:
+        return None
+    kept = _kept(run_dir)
     what = f"checkpoints up to step {reached}, " if reached is not None else ""
     line = f"meshforge: --fresh: removed the earlier run in {run_dir} ({what}{len(found)} entries)"
     if kept:
-        line += f"; kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} meshforge did not write"
+        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        noun = "entry" if len(kept) == 1 else "entries"
+        line += f"; kept {len(kept)} {noun} meshforge did not write ({shown})"
     return line + "; starting over"
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--fresh: cannot remove {path}: {exc.strerror or exc}") from None
+
+
+def _kept(run_dir: Path) -> list[str]:
+    """What is left in RUN_DIR that meshforge did not write (lock files aside)."""
+    kept = []
+    for p in sorted(run_dir.iterdir()):
+        if p.name in runlock.LOCK_FILES:
+            continue
+        if p.name in RUN_FOLDERS and p.is_dir():
+            kept += [f"{p.name}/{q.name}" for q in sorted(p.iterdir())]
+        else:
+            kept.append(p.name)
+    return kept

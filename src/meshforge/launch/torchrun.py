@@ -58,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fresh",
         action="store_true",
-        help="Start over on a run directory that holds a run: remove the earlier run's "
-        "files first (without it, a finished run is left as it is and any other resumes).",
+        help="Start over on a run directory that holds a run: remove what meshforge wrote "
+        "there first (files of yours stay). Without it, a run with nothing left to train is "
+        "left as it is, a run of another model (or a folder that is not a meshforge run) is "
+        "refused, and any other run resumes from its newest checkpoint.",
     )
     parser.add_argument(
         "--trace",

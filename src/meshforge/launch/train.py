@@ -34,7 +34,7 @@ def check_model(cfg: JobConfig) -> None:
         return
     from meshforge.models.registry import check_factory
 
-    check_factory(cfg.model)
+    check_factory(cfg)
 
 
 def check_data(cfg: JobConfig) -> None:
@@ -93,10 +93,12 @@ class PreparedJob:
     world: int | None  # None while elastic (min < max nodes)
     auto_line: str | None = None
     run_lock: Any = None  # what `lock` returned: a held RunDirLock keeps the directory
-    # launch/rundir.py: the line to exit 0 with when the run there is finished (then
-    # nothing was written), and a line about the earlier run (removed, or extended)
+    # launch/rundir.py: the line to exit 0 with when the run there has nothing to train
+    # (then nothing was written), a line about the earlier run (removed, extended, or
+    # resumed past its schedule's horizon) and a warning about the schedule
     finished: str | None = None
     history_line: str | None = None
+    schedule_warning: str | None = None
 
 
 def prepare_job(
@@ -122,8 +124,9 @@ def prepare_job(
     to RUN_DIR/`config_name`.
 
     A run directory that holds a run already is decided first (launch/rundir.py): a
-    finished run writes nothing and returns `finished`; another model is refused;
-    `fresh` removes the earlier run once the directory is held."""
+    run with nothing to train writes nothing and returns `finished`; another model, or
+    a folder that is not a meshforge run, is refused; `fresh` removes the earlier run
+    once the directory is held."""
     cfg = load_config(config_path, overrides)
     worlds = [n * nproc_per_node for n in range(max_nodes, min_nodes - 1, -1)]
     world = worlds[0] if min_nodes == max_nodes else None
@@ -135,10 +138,11 @@ def prepare_job(
     else:
         validate_for_worlds(cfg, worlds)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
-    finished, history_line = check_earlier_run(cfg, run_dir, fresh)
+    decision = check_earlier_run(cfg, run_dir, fresh)
+    history_line = decision.note
     target = Path(config_file) if config_file is not None else run_dir / config_name
-    if finished is not None:
-        return PreparedJob(cfg, run_dir, target, world, auto_line, finished=finished)
+    if decision.finished is not None:
+        return PreparedJob(cfg, run_dir, target, world, auto_line, finished=decision.finished)
     # After validation (bad input writes nothing), before anything is written: another
     # job's run directory is refused here (runtime/runlock.py).
     run_lock = lock(run_dir) if lock is not None else None
@@ -151,7 +155,8 @@ def prepare_job(
         raise ConfigError(f"cannot create run directory {run_dir}: {exc.strerror}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     save_config(cfg, target)
-    return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock, None, history_line)
+    return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock, None, history_line,
+                       decision.warning)  # fmt: skip
 
 
 def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshforge.config import ModelConfig
+from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, DecoderLM
 from meshforge.models.llama import Llama
@@ -89,14 +89,40 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return model_class(cfg)(cfg)
 
 
-def check_factory(cfg: ModelConfig) -> None:
-    """Import and call the factory on the meta device (no memory), before any worker
-    starts: bad input answers in one line."""
-    if cfg.is_factory:
-        with torch.device("meta"):
-            build_factory(cfg)
-        if cfg.tp_plan is not None:
-            tensor_parallel_plan(cfg)
+def check_factory(cfg: JobConfig) -> None:
+    """Before any worker starts, so that bad input answers in one line: import and
+    call the factory on the meta device (no memory), check that a pipeline can cut
+    what it returns when parallel.pp > 1, and run one forward pass on meta tensors
+    to check it maps token ids (1, seq_len) to logits (1, seq_len, vocab_size)."""
+    m = cfg.model
+    if not m.is_factory:
+        return
+    with torch.device("meta"):
+        model = build_factory(m)
+        pp = cfg._parallel().pp
+        if pp > 1 and not has_stage_layout(model):
+            raise ConfigError(
+                f"parallel.pp={pp}: model.name={m.name} lacks the stage layout a pipeline "
+                "cuts (embed, blocks as an nn.ModuleDict keyed by layer index, ln_f, head)"
+            )
+        idx = torch.zeros((1, m.seq_len), dtype=torch.long)
+        try:
+            out = model(idx)
+        except Exception:  # noqa: BLE001 - a forward that needs values (not meta tensors):
+            out = None  # not conclusive here; the first step runs it for real
+    want = (1, m.seq_len, m.vocab_size)
+    if out is not None and (got := _shape_or_type(out)) != want:
+        raise ConfigError(
+            f"model.name={m.name}: forward must return logits of shape {want} "
+            f"(batch, model.seq_len, model.vocab_size) for token ids (1, {m.seq_len}); "
+            f"it returned {got}"
+        )
+    if m.tp_plan is not None:
+        tensor_parallel_plan(m)
+
+
+def _shape_or_type(out: object) -> object:
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
 
 def tensor_parallel_plan(cfg: ModelConfig) -> Callable[..., None]:

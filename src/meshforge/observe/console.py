@@ -254,7 +254,7 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 "tensor-parallel comm",
                 f"{1e3 * tp['seconds']:.1f} ms in a profiled step"
                 + (f" ({format_percent(share)} of a median step)" if share is not None else "")
-                + "; inside compute in the time breakdown",
+                + "; counted as exposed communication in the time breakdown",
             )
         )
     return rows

@@ -15,8 +15,10 @@ Nothing here connects to the job; each frame is what the run directory says now:
 
 The status: report.json's final status when the report is newer than the run's start
 (the lock holder's start while RUN_DIR/.lock is held, else the ranks' first record);
-else "running" while a process holds the lock or a rank's record is running and fresh;
-else "not started" while nothing has been written, "ended without a report" otherwise.
+else "running" while a process holds the lock (or, where no lock can tell, while a
+rank's record is running and fresh: a free lock means that the launcher and its
+workers are gone, however fresh their last records); else "not started" while nothing
+has been written, "ended without a report" otherwise.
 The run has ended (`watch` stops) with a final report once no rank's record is running
 and fresh or nobody holds the lock, and with no report once both hold; not before it
 started.
@@ -294,7 +296,7 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         # ended once the ranks have written their last records too (the report comes
         # first), or their launcher has let go of the run directory
         status, ended = str(report["status"]), not (held and fresh_running)
-    elif held or fresh_running:
+    elif held or (held is None and fresh_running):  # a free lock: nothing runs there
         status, ended = "running", False
     elif not current and not rows and report is None:
         status, ended = "not started", False  # keep watching: it may start yet

@@ -12,7 +12,11 @@ Who holds it:
   `meshforge submit mpi`) takes it before it writes anything (config.yaml included) and
   keeps it while its workers run. It tells them with MESHFORGE_RUN_LOCK_HELD=<run dir>
   (`mark_held_for_workers`), which they inherit; mpirun forwards MESHFORGE_* to every
-  host.
+  host. Its workers outlive it by up to `runtime.grace_s` when it is killed (they
+  checkpoint and stop), so its global rank 0 holds RUN_DIR/.lock-workers as long as
+  it lives (a worker cannot inherit the launcher's descriptor: the elastic agent
+  closes them); whoever takes .lock then also checks that .lock-workers is free, and
+  `is_held` answers for both.
 - Otherwise (one `meshforge train` agent per node on a shared run directory, srun,
   Kubernetes, plain torchrun) global rank 0's worker takes it (`worker_run_lock`).
   After an elastic restart the new rank 0 takes it again; if its dead predecessor of
@@ -44,6 +48,8 @@ from typing import Any
 from meshforge.errors import ConfigError, MeshforgeError
 
 LOCK_FILE = ".lock"
+WORKERS_LOCK_FILE = ".lock-workers"  # held by the workers of a launcher that holds .lock
+LOCK_FILES = (LOCK_FILE, WORKERS_LOCK_FILE)
 RUN_LOCK_HELD_ENV = "MESHFORGE_RUN_LOCK_HELD"
 JOB_ID_ENV = "MESHFORGE_JOB_ID"
 
@@ -124,8 +130,14 @@ def _warn_stderr(message: str) -> None:
     print(f"meshforge: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _in_use(run_dir: Path, holder: Holder | None) -> RunDirInUse:
+def _in_use(run_dir: Path, holder: Holder | None, name: str = LOCK_FILE) -> RunDirInUse:
     who = holder.describe() if holder else "holder unknown"
+    if name == WORKERS_LOCK_FILE:  # .lock itself was free: their launcher is gone
+        return RunDirInUse(
+            f"run directory {run_dir} is in use by another job (its workers: {who}; their "
+            "launcher has exited and they are stopping with a checkpoint); wait for them to "
+            "exit or use another run directory"
+        )
     return RunDirInUse(
         f"run directory {run_dir} is in use by another job ({who}); "
         "use another run directory or wait for that job to end"
@@ -133,13 +145,19 @@ def _in_use(run_dir: Path, holder: Holder | None) -> RunDirInUse:
 
 
 class RunDirLock:
-    """An exclusive hold on a run directory; a context manager once acquired."""
+    """An exclusive hold on a run directory (its lock file NAME: .lock, or .lock-workers
+    for the workers of a launcher that holds .lock); a context manager once acquired."""
 
     def __init__(
-        self, run_dir: Path, job_id: str | None = None, warn: Callable[[str], None] = _warn_stderr
+        self,
+        run_dir: Path,
+        job_id: str | None = None,
+        warn: Callable[[str], None] = _warn_stderr,
+        name: str = LOCK_FILE,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.name = name
+        self.path = self.run_dir / name
         self.job_id = job_id or job_id_from_env()
         self.warn = warn
         self._fd: int | None = None
@@ -150,6 +168,10 @@ class RunDirLock:
 
     def _open(self) -> int:
         """The lock file's descriptor (created if need be; nothing else is written)."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(
+                f"cannot use run directory {self.run_dir}: it is a file, not a directory"
+            )
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -166,13 +188,13 @@ class RunDirLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return True
             except BlockingIOError:
-                holder = read_holder(self.run_dir)
+                holder = read_holder(self.run_dir, self.name)
                 waited = time.monotonic() - start
                 same_job = holder is not None and holder.job_id == self.job_id
                 if waited < CONTENTION_GRACE_S or (same_job and waited < wait_same_job_s):
                     time.sleep(_POLL_S)
                     continue
-                raise _in_use(self.run_dir, holder) from None
+                raise _in_use(self.run_dir, holder, self.name) from None
             except OSError as exc:
                 if exc.errno not in _LOCKS_UNSUPPORTED:
                     raise
@@ -185,7 +207,8 @@ class RunDirLock:
     def acquire(self, wait_same_job_s: float = 0.0) -> RunDirLock:
         """Take the lock or raise RunDirInUse naming its holder. A holder of this same job
         (a dead predecessor whose lock has not yet been dropped) is waited for up to
-        `wait_same_job_s`."""
+        `wait_same_job_s`. Taking .lock also needs .lock-workers free: the workers of a
+        killed launcher may still be stopping there."""
         if self._fd is not None:
             return self
         fd = self._open()
@@ -197,6 +220,13 @@ class RunDirLock:
         if not locked:
             os.close(fd)
             return self
+        if self.name == LOCK_FILE:
+            try:
+                _check_free(self.run_dir, WORKERS_LOCK_FILE, self.job_id)
+            except BaseException:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                raise
         self._fd = fd
         holder = Holder(socket.gethostname(), os.getpid(), self.job_id, time.time())
         try:
@@ -236,22 +266,28 @@ def hold_run_dir(
     return RunDirLock(run_dir, job_id, warn).acquire(wait_same_job_s)
 
 
-def read_holder(run_dir: Path) -> Holder | None:
-    """Who holds (or last held) RUN_DIR, from its lock file; None if unknown."""
+def read_holder(run_dir: Path, name: str = LOCK_FILE) -> Holder | None:
+    """Who holds (or last held) RUN_DIR, from its lock file NAME; None if unknown."""
     try:
-        return Holder.parse((Path(run_dir) / LOCK_FILE).read_text())
+        return Holder.parse((Path(run_dir) / name).read_text())
     except OSError:
         return None
 
 
 def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
     """Raise RunDirInUse if a job other than `job_id` holds RUN_DIR (any job, without
-    one). For those who write into RUN_DIR without holding it: the agents of a
-    multi-node job (whose global rank 0 holds it) and a submitter whose job runs later
-    (`meshforge submit slurm` writes config.yaml). Writes nothing."""
-    path = Path(run_dir) / LOCK_FILE
+    one): its launcher, or the workers of a launcher that was killed. For those who
+    write into RUN_DIR without holding it: the agents of a multi-node job (whose global
+    rank 0 holds it) and a submitter whose job runs later (`meshforge submit slurm`
+    writes config.yaml). Writes nothing."""
+    for name in LOCK_FILES:
+        _check_free(Path(run_dir), name, job_id)
+
+
+def _check_free(run_dir: Path, name: str, job_id: str | None) -> None:
+    """Raise RunDirInUse if a job other than `job_id` holds the lock file NAME."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(run_dir / name, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return  # no lock file: nobody has ever held it (or it cannot be locked at all)
     try:
@@ -261,13 +297,13 @@ def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return  # free; closing the descriptor drops our instant's hold
             except BlockingIOError:
-                holder = read_holder(run_dir)
+                holder = read_holder(run_dir, name)
                 if holder is not None and holder.job_id == job_id:
                     return  # this job's global rank 0 holds it
                 if time.monotonic() - start < CONTENTION_GRACE_S:
                     time.sleep(_POLL_S)
                     continue
-                raise _in_use(Path(run_dir), holder) from None
+                raise _in_use(run_dir, holder, name) from None
             except OSError:
                 return  # locks unsupported here; the holder warns
     finally:
@@ -275,14 +311,22 @@ def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
 
 
 def is_held(run_dir: Path) -> bool | None:
-    """Whether some process holds RUN_DIR's lock now; None where that cannot be told (no
-    lock file, or a file system that cannot lock). For watchers (`meshforge top`): a
-    shared lock tried for an instant on a read-only descriptor of its own, then let go;
-    it needs no write permission and writes nothing (a job starting in that instant
-    retries, see CONTENTION_GRACE_S). Never call it from the holding process: on NFS,
-    closing this descriptor would drop that process's own lock."""
+    """Whether some process holds RUN_DIR now (its launcher's .lock, or .lock-workers,
+    which the workers of a killed launcher hold until they exit); None where that cannot
+    be told (no lock file, or a file system that cannot lock). For watchers (`meshforge
+    top`): a shared lock tried for an instant on a read-only descriptor of its own, then
+    let go; it needs no write permission and writes nothing (a job starting in that
+    instant retries, see CONTENTION_GRACE_S). Never call it from a holding process: on
+    NFS, closing this descriptor would drop that process's own lock."""
+    answers = [_probe(Path(run_dir) / name) for name in LOCK_FILES]
+    if True in answers:
+        return True
+    return False if False in answers else None
+
+
+def _probe(path: Path) -> bool | None:
     try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -317,9 +361,14 @@ def worker_run_lock(
     environ: Mapping[str, str] | None = None,
     wait_same_job_s: float = SAME_JOB_WAIT_S,
 ) -> contextlib.AbstractContextManager[Any]:
-    """What a worker holds for its job's lifetime: RUN_DIR's lock if it is global rank 0
-    and its launcher does not hold it already, else nothing. Enter it before the worker
-    writes anything into RUN_DIR."""
-    if rank != 0 or held_by_launcher(run_dir, environ):
+    """What a worker holds for its lifetime: global rank 0 holds RUN_DIR's .lock, or,
+    when its launcher holds that, .lock-workers (so that the directory stays held while
+    it stops after its launcher was killed); other ranks hold nothing. Enter it before
+    the worker writes anything into RUN_DIR."""
+    if rank != 0:
         return contextlib.nullcontext()
-    return hold_run_dir(run_dir, job_id_from_env(environ), wait_same_job_s=wait_same_job_s)
+    job_id = job_id_from_env(environ)
+    if held_by_launcher(run_dir, environ):
+        lock = RunDirLock(run_dir, job_id, name=WORKERS_LOCK_FILE)
+        return lock.acquire(wait_same_job_s)
+    return hold_run_dir(run_dir, job_id, wait_same_job_s=wait_same_job_s)

@@ -40,6 +40,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,33 +225,54 @@ def save(ckpt_root: Path, step: int, snap: Snapshot, keep: int, create_root: boo
     # 1. rank 0 makes the empty temporary directory
     problem = _attempt(_prepare, ckpt_root, tmp, create_root) if rank == 0 else None
     fail_all(problem_from_rank0(problem))
+
     # 2. every rank writes and hashes its part; DCP's own save is collective
-    own: dict[str, Any] = {}
-    try:
-        dcp.save({"model": snap.model, "optim": snap.optimizer}, checkpoint_id=str(tmp))
+    def extra() -> None:
         _write_durably(tmp / f"rng-rank-{rank}.pt", _tensors_bytes(_rng_state()))
         if rank == 0:
             _write_durably(tmp / TRAINER_STATE, json.dumps(snap.trainer_state, indent=1).encode())
-        own = hash_own_files(tmp, rank)
-        problem = None
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        problem = why_write_failed(exc, ckpt_root)
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (own, problem))
-    fail_all(next((p for _, p in parts if p is not None), None))
+
+    state = {"model": snap.model, "optim": snap.optimizer}
+    merged = write_and_hash(state, tmp, ckpt_root, fail_all, extra)
     # 3. rank 0 commits: manifest, rename into place, prune
     problem = None
     if rank == 0:
         if fail_before_commit(step):
             raise RuntimeError(f"injected fault before committing checkpoint of step {step}")
-        merged: dict[str, Any] = {}
-        for hashes, _ in parts:
-            merged.update(hashes)
         problem = _attempt(commit_checkpoint_dir, ckpt_root, tmp, final, step, merged)
         if problem is None:
             prune(ckpt_root, keep)
     fail_all(problem_from_rank0(problem))
     return final
+
+
+def write_and_hash(
+    state: dict[str, Any],
+    tmp: Path,
+    root: Path,
+    fail_all: Callable[[str | None], None],
+    extra: Callable[[], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The middle stage of a commit, collective: every rank writes its DCP shards of
+    `state` into `tmp` (and what `extra` writes) and hashes the files it wrote; the
+    ranks agree on any failure through `fail_all`. Every rank's hashes, merged."""
+    rank = dist.get_rank()
+    own: dict[str, Any] = {}
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        if extra is not None:
+            extra()
+        own = hash_own_files(tmp, rank)
+        problem = None
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        problem = why_write_failed(exc, root)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (own, problem))
+    fail_all(next((p for _, p in parts if p is not None), None))
+    merged: dict[str, dict[str, Any]] = {}
+    for hashes, _ in parts:
+        merged.update(hashes)
+    return merged
 
 
 def problem_from_rank0(problem: str | None) -> str | None:

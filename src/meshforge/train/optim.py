@@ -7,8 +7,9 @@ The learning rate is `lr * lr_factor(step, warmup, lr_horizon, min_lr_ratio)`
 (train/schedule.py), set before every optimizer step, so resuming needs only the step
 number and the horizon, never a scheduler object. The horizon is fixed when a run starts
 (its first segment's `train.steps`) and kept in every checkpoint: a run extended or
-shortened later keeps its schedule, and steps past the horizon train at the final
-learning rate, `lr * min_lr_ratio`, so an extension never makes the learning rate jump.
+shortened later keeps its schedule, and steps past the horizon train at the learning
+rate of the schedule's last step (about `lr * min_lr_ratio` once it has decayed), so an
+extension never makes the learning rate jump.
 """
 
 from __future__ import annotations

@@ -104,8 +104,9 @@ class RunTiming:
 
 
 def record_exit(run_dir: Path, exited_at: float | None = None) -> None:
-    """In the launcher, after its workers exited: complete report.json's `timing` with
-    the exit (only a report this launch's workers finished, and only when it has one)."""
+    """In the launcher, after its workers exited (completed, or stopped by a signal):
+    complete report.json's `timing` with the exit (only a report this launch's workers
+    wrote, and only when it has one)."""
     path = Path(run_dir) / "report.json"
     try:
         report = json.loads(path.read_text())

@@ -119,6 +119,9 @@ class Trainer:
             self.reducer_bytes = comm_bytes.ddp_reducer_bytes(self.parts.parameters())
         self.comm_samples: list[dict[str, float]] = []  # per logged interval, steady only
         self.tp_comm_s: float | None = None  # latest profiled TP collective time
+        # its share of the profiled step's forward+backward (the profiler slows the step
+        # it watches: the share, not the seconds, carries over to the other steps)
+        self.tp_comm_share: float | None = None
         self.sampler: SystemSampler | None = None  # the node's, on its first rank
         self.memory_advice: dict[str, str] = {}  # the newest advice of each kind
         self.segment: int | None = None  # this segment's number (train/segments.py), rank 0
@@ -387,6 +390,8 @@ class Trainer:
                     )
                     result.tp_comm_s, tp_sampled = tp_comm_s, True
                     self.tp_comm_s = tp_comm_s
+                    busy = sum(result.micro_s) or (result.wall_s or 0.0)
+                    self.tp_comm_share = min(1.0, tp_comm_s / busy) if busy > 0 else None
                 else:
                     result = self.strategy.step(step, batch.micro_batches, logging_step)
                 if slow > 1:
@@ -547,7 +552,7 @@ class Trainer:
         ref_compute_s: float | None,
     ) -> dict[str, Any]:
         """One row of metrics.jsonl: this rank's (rank 0's) view of a logged step."""
-        comm_s = self._exposed_comm_s(result.micro_s, ref_compute_s)
+        comm_s = self._exposed_comm_s(result.micro_s, ref_compute_s, result.busy_s)
         bubble_s = None
         if result.busy_s is not None and result.wall_s is not None:
             bubble_s = max(0.0, result.wall_s - result.busy_s)
@@ -698,18 +703,23 @@ class Trainer:
             return "forward+backward minus a communication-free replica's, per micro-batch"
         return "synchronising micro-batch minus the step's no_sync micro-batches"
 
-    def _exposed_comm_s(self, micro_s: list[float], ref_s: float | None) -> float | None:
+    def _exposed_comm_s(
+        self, micro_s: list[float], ref_s: float | None, busy_s: float | None = None
+    ) -> float | None:
         """Communication time of a logged step not hidden behind compute.
 
         Data parallel (tp = pp = 1): the step's forward+backward time minus the same
         work without communication: the step's no_sync micro-batches under DDP with
         accumulation, else a local replica timed at start (FSDP gathers parameters in
-        every micro-batch). Tensor parallel: the profiled step's collective time.
+        every micro-batch). Tensor parallel: the share of the profiled step's
+        forward+backward spent in its collectives, applied to this step's.
         Pipelines: their waits are the bubble, reported apart."""
-        if self.dims.pp_enabled:
-            return self.tp_comm_s or 0.0
         if self.dims.tp_enabled:
-            return self.tp_comm_s
+            if self.tp_comm_share is None:
+                return 0.0 if self.dims.pp_enabled else None
+            return self.tp_comm_share * (sum(micro_s) or busy_s or 0.0)
+        if self.dims.pp_enabled:
+            return 0.0
         if self._no_peers():
             return 0.0
         if not micro_s:

@@ -81,8 +81,9 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
     run_dir = Path(run_dir)
     env = detect_env()
     _stop_with_launcher()
-    # Global rank 0 holds the run directory unless its launcher does (one node, mpirun);
-    # the kernel drops the lock when this process ends, however it ends.
+    # Global rank 0 holds the run directory (.lock; .lock-workers when its launcher holds
+    # .lock: one node, mpirun), so that it stays held while this worker outlives a killed
+    # launcher; the kernel drops the lock when this process ends, however it ends.
     _run_lock = worker_run_lock(run_dir, env.rank)
     _setup_logging(run_dir, env.rank)
     log = logging.getLogger("meshforge.worker")
@@ -111,7 +112,7 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
                 flight.close("finished")
         log.info("finished")
         if env.rank == 0 and report:
-            _announce(run_dir, report)
+            _announce(run_dir, report, sample=not cfg.model.is_factory)
     except BaseException as exc:
         # Recorded before the process group is torn down: the peers' errors (connection
         # reset, timeout) follow this one, so the earliest record is the root cause.
@@ -165,10 +166,11 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
         pass
 
 
-def _announce(run_dir: Path, report: dict) -> None:
+def _announce(run_dir: Path, report: dict, sample: bool = True) -> None:
     from meshforge.observe.console import print_summary
 
     print_summary(report)
     print(f"run directory: {run_dir}")
-    print(f"sample from it: meshforge sample {shlex.quote(str(run_dir))} --prompt 'def '")
+    if sample:  # meshforge's own models (a factory's generation is its own business)
+        print(f"sample from it: meshforge sample {shlex.quote(str(run_dir))} --prompt 'def '")
     sys.stdout.flush()
