@@ -91,6 +91,8 @@ def train_layout(
             )
         result = engine.strategy.step(step, micro_batches, measure=False)
         loss = engine.strategy.reduce_loss(result.loss_sum / dims.microbatches).item()
+        if step + 1 == steps:  # what the trainer reports: the states held after a step
+            out["state_bytes"] = _state_bytes(engine)
         engine.optimizers.zero_grad()
         out["losses"][step + 1] = loss
         if checkpointer is not None and save_at == step + 1:
@@ -99,6 +101,22 @@ def train_layout(
     out["digest_final"] = engine.param_digest()
     out["param_names"] = sorted(name for name, _ in engine.parts.named_parameters())
     out["server_counters"] = engine.strategy.server_counters()  # a parameter server's
+    return out
+
+
+def _state_bytes(engine: Any) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer states (as
+    Trainer.model_state_bytes counts them), and the model's parameter count."""
+    from meshforge.observe.memory import tensor_bytes
+
+    params = list(engine.parts.parameters())
+    out = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": tensor_bytes(engine.optimizers.state_bytes()),
+    }
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["n_params"] = engine.parts.n_params
     return out
 
 

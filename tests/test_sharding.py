@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-SHAPE = {"model": {"n_layers": 4}, "train": {"steps": 3}}
+from layouts import job, train_layout
 
 
 def _designed(zero: int, params: int, dp: int) -> dict[str, float]:
@@ -18,17 +18,13 @@ def _designed(zero: int, params: int, dp: int) -> dict[str, float]:
     }
 
 
-@pytest.mark.slow
-def test_zero_stages_shard_model_states_across_ranks(job_factory):
+def test_zero_stages_shard_model_states_across_ranks(gloo):
     measured = {}
     for zero in (0, 1, 3):
-        job = job_factory({**SHAPE, "parallel": {"zero": zero}}, name=f"zero{zero}")
-        job.train(2)
-        report = job.report
-        assert len(report["model_state_bytes"]) == 2
-        measured[zero] = report["model_state_bytes"]
-        n_params = report["model_params"]
+        results = gloo.run(2, train_layout, job({"zero": zero}), 3)
+        measured[zero] = [r["state_bytes"] for r in results]
         for rank_bytes in measured[zero]:
+            n_params = rank_bytes["n_params"]
             for kind, expected in _designed(zero, n_params, 2).items():
                 assert rank_bytes[kind] == pytest.approx(expected, rel=0.05), (
                     f"zero={zero} {kind}: {rank_bytes[kind]} bytes, designed {expected:.0f}"
