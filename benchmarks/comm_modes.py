@@ -34,6 +34,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from emit import emit
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the namespace-host helpers
@@ -159,10 +160,7 @@ def main() -> None:
             lines.append(
                 f"{rate:8s} best: {best[1]}, {best[0] / statistics.median(ddp):.2f}x plain DDP"
             )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from emit import emit
 
 
 def job(steps: int, zero: int, flight: bool, every: float) -> dict:
@@ -96,10 +97,7 @@ def main() -> None:
         f"(overhead {100 * (ratio_step - 1):+.1f}%)",
         f"tokens/s on/off (median of per-round ratios): {ratio_tps:.3f}",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from emit import emit
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the namespace-host helper
@@ -203,10 +204,7 @@ def main() -> None:
             f"{case:32s} {rs[0]['nodes']:>5d} {wall:>8.1f} {wall_ratio:>10.2f} {tps:>9,.0f} "
             f"{tps_ratio:>11.2f}"
         )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

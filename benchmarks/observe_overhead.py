@@ -32,6 +32,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from emit import emit
 
 WANDB = importlib.util.find_spec("wandb") is not None
 
@@ -169,10 +170,7 @@ def main() -> None:
         f"tokens/s on/off (median of per-round ratios): {ratio_tps:.3f}  "
         f"(overhead {100 * (1 / ratio_tps - 1):+.1f}%)",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

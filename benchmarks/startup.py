@@ -33,6 +33,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from emit import emit
 
 HERE = Path(__file__).resolve().parent
 CASES = (("ddp", 0), ("fsdp", 3))  # (plain loop strategy, meshforge parallel.zero)
@@ -142,10 +143,7 @@ def main() -> None:
             f"{med(strategy, 'meshforge', 'final_checkpoint_s'):9.2f}s {excess:8.2f}s"
         )
     lines.append("# goals: first-step ratio <= 1.1; after last - final ckpt <= 0.3 s")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
