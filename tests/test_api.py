@@ -22,7 +22,7 @@ def _run_example(strategy: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero3"])  # every strategy in-process: test_fabric_*
 def test_example_trains_an_mlp_on_two_processes(strategy):
     proc = _run_example(strategy)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
