@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
 from meshforge.parallel.dims import interleaved_accepts, min_microbatches, stages_per_rank
+from meshforge.plan.stages import layer_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 _FORWARD_ACTIONS = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
@@ -55,21 +56,6 @@ def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_stages: int) -> list
     if schedule == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(k)]
-
-
-def layer_split(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer ranges differing by at most one layer. Spare layers go to the
-    interior stages first (they carry neither embeddings nor head), then to stage 0,
-    whose embedding lookup is cheaper than the last stage's head and loss."""
-    if n_stages < 1 or n_layers < n_stages:
-        # an empty stage would be an identity whose output is its input: nothing to pipeline
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} non-empty stages")
-    sizes = [n_layers // n_stages] * n_stages
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1]
-    for s in order[: n_layers % n_stages]:
-        sizes[s] += 1
-    bounds = [sum(sizes[:i]) for i in range(n_stages + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
 def split_stage(model: nn.Module, stage_id: int, n_stages: int) -> nn.Module:

@@ -47,6 +47,12 @@ class ComputeCurve:
 A100_CURVE = ComputeCurve(f_max=0.75, t0_s=130e-6)
 
 
+def curve_for(gpu: str) -> tuple[ComputeCurve, str]:
+    """The achievable-fraction curve for a catalogue GPU (its key, e.g. "h100"), and
+    which calibration it is (the GPU whose published runs it was fitted on)."""
+    return A100_CURVE, "a100"
+
+
 def matmul_unit_flops(micro_batch: int, seq: int, hidden: int, mlp_ratio: float, tp: int) -> float:
     """W = 2·b·s·h·(r·h/t): the per-GPU MLP up-projection of one micro-batch."""
     return 2.0 * micro_batch * seq * hidden * (mlp_ratio * hidden / tp)
