@@ -200,3 +200,15 @@ def peak_rss_growth(out: list[int]):
             done.set()
             sampler.join()
         out.append(peak[0] - base)
+
+
+def training_processes(launcher_pid: int) -> list:
+    """The processes that run a `meshforge train` launcher's workers: forked from its
+    zygote (launch/zygote.py), or its own children when there is none."""
+    import psutil
+
+    children = psutil.Process(launcher_pid).children()
+    zygotes = [c for c in children if "--serve" in c.cmdline()]
+    if zygotes:
+        return zygotes[0].children()
+    return children

@@ -65,10 +65,11 @@ class Launched:
         return self.proc.returncode, *self.output
 
 
-def _start(job: Job, fault: str | None, *extra: str) -> Launched:
+def _start(job: Job, fault: str | None, *extra: str, env: dict | None = None) -> Launched:
     argv = [sys.executable, "-m", "meshforge", "train", str(job.config_path), "--nproc", "2",
             "--run-dir", str(job.run_dir), *extra]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=REPO, env=_env(fault), stdout=subprocess.PIPE,
+    env = {**_env(fault), **(env or {})}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     return Launched(job, proc)
 
@@ -203,9 +204,11 @@ TEN_STEPS = {**FAST, "train": {"steps": 10}, "observe": {"flight_every_s": 0.5, 
 @pytest.fixture(scope="module")
 def slow_run(tmp_path_factory):
     """Rank 1 does 6x its work each step; otherwise an uninterrupted run (the reference
-    for the restart test: the busy loop touches no tensor)."""
+    for the restart test: the busy loop touches no tensor). Its workers start as fresh
+    interpreters (no zygote: launch/zygote.py), the restart test's are forked."""
     job = Job(tmp_path_factory.mktemp("slow"), TEN_STEPS, "slow")
-    returncode, _, err = _start(job, "slow:1:6").wait(START_S + 120)
+    launched = _start(job, "slow:1:6", env={"MESHFORGE_ZYGOTE": "0"})
+    returncode, _, err = launched.wait(START_S + 120)
     assert returncode == 0, err[-3000:]
     return job
 
@@ -228,6 +231,9 @@ def test_a_restarted_run_ends_where_an_uninterrupted_one_does(tmp_path_factory, 
     report = job.report
     assert report["status"] == "completed"
     assert report["final_param_digest"] == slow_run.report["final_param_digest"]
+    # forked from the zygote (both attempts) or started fresh: the same parameters
+    assert report["timing"]["preloaded_workers"] is True
+    assert slow_run.report["timing"]["preloaded_workers"] is False
     [restart] = report["restarts"]
     assert (restart["attempt"], restart["resumed_from"]) == (1, 4)
     # the restart's gap: the failure to the first step of the next attempt

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from helpers import REPO, TINY_JOB, Job, assert_one_line_error, meshforge
+from helpers import REPO, TINY_JOB, Job, assert_one_line_error, meshforge, training_processes
 from meshforge.config import load_config, save_config
 from meshforge.errors import ConfigError
 from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
@@ -225,11 +225,11 @@ def test_a_second_ctrl_c_kills_the_workers_at_once_and_keeps_the_last_checkpoint
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.2)
-        workers = psutil.Process(proc.pid).children(recursive=True)
+        workers = training_processes(proc.pid)
         for w in workers:  # the workers cannot finish their stop: only a kill ends them
             w.suspend()
         proc.send_signal(signal.SIGINT)
-        worker = psutil.Process(proc.pid).children()[0]
+        worker = workers[0]
         while not _pending_signals(worker.pid) & (1 << (signal.SIGINT - 1)):
             assert time.monotonic() < deadline, "the launcher never passed Ctrl-C on"
             time.sleep(0.05)  # the launcher has passed the first Ctrl-C on: it waits

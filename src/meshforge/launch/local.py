@@ -173,7 +173,10 @@ class AgentWatchdog:
     it for as long as the link stays down. Waiting for workers to start (rendezvous,
     restarts) is not watched; only the time after every local worker has exited."""
 
-    def __init__(self, grace_s: float, restarts: int, poll_s: float = 0.5) -> None:
+    def __init__(
+        self, grace_s: float, restarts: int, poll_s: float = 0.5, helper_pid: int | None = None
+    ) -> None:
+        self.helper_pid = helper_pid  # the zygote (launch/zygote.py) is not a worker
         # a restart may wait for the other nodes to rendezvous again (torch's default
         # join timeout is 600 s); a job without restarts has only its exit to finish
         self.limit_s = grace_s + (600.0 if restarts else 0.0)
@@ -196,7 +199,11 @@ class AgentWatchdog:
         had_workers, gone_since = False, None
         while not self._stop.wait(self.poll_s):
             try:
-                alive = [c for c in me.children() if c.status() != psutil.STATUS_ZOMBIE]
+                alive = [
+                    c
+                    for c in me.children()
+                    if c.status() != psutil.STATUS_ZOMBIE and c.pid != self.helper_pid
+                ]
             except psutil.Error:
                 continue
             if alive:
@@ -217,7 +224,12 @@ class AgentWatchdog:
 
 
 def run_elastic(
-    config: LaunchConfig, cmd: str, cmd_args: list[str], run_dir: Path, grace_s: float = 60.0
+    config: LaunchConfig,
+    cmd: str,
+    cmd_args: list[str],
+    run_dir: Path,
+    grace_s: float = 60.0,
+    helper_pid: int | None = None,
 ) -> dict | None:
     """Run CMD CMD_ARGS under the elastic agent with CONFIG.
 
@@ -233,7 +245,7 @@ def run_elastic(
             logging.getLogger(name).setLevel(logging.CRITICAL)
     clear_recorded_failures(run_dir / "health")
     launch = elastic_launch(config, cmd)
-    watchdog = AgentWatchdog(max(grace_s, 30.0), config.max_restarts)
+    watchdog = AgentWatchdog(max(grace_s, 30.0), config.max_restarts, helper_pid=helper_pid)
     try:
         with watchdog:
             launch(*cmd_args)
@@ -263,13 +275,26 @@ def run_elastic(
 
 def launch_training(argv: list[str]) -> int:
     """`meshforge train ARGV`: parse torchrun's flags, prepare the job, run the agent."""
+    from meshforge.launch import zygote
+    from meshforge.train.timing import mark_launch
+
+    mark_launch()  # the workers' start-up is timed from this process's start
+    # first: it imports torch and the trainer while this process prepares the job
+    preloaded = zygote.start()
+    try:
+        return _launch_training(argv, preloaded)
+    finally:
+        if preloaded is not None:
+            preloaded.stop()
+
+
+def _launch_training(argv: list[str], preloaded: Any) -> int:
     from meshforge.config import load_config
     from meshforge.errors import ConfigError
     from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
     from meshforge.launch.train import layout_line, prepare_job, report_failure
-    from meshforge.train.timing import mark_launch, record_exit
+    from meshforge.train.timing import record_exit
 
-    mark_launch()  # the workers' start-up is timed from this process's start
     launch = parse_launch_args(argv)
     a = launch.args
     if a.recalibrate:  # the workers inherit it (observe/machine_cache.py)
@@ -335,6 +360,8 @@ def launch_training(argv: list[str]) -> int:
         )
     worker_args = ["worker", str(job.config_file), "--run-dir", str(job.run_dir)]
     config, cmd, cmd_args = launch_config(launch, worker_args, job.run_dir / "logs" / "elastic")
+    if preloaded is not None:  # the workers fork from the zygote (launch/zygote.py)
+        cmd_args = preloaded.worker_command(cmd_args)
     runtime = job.cfg.runtime
     if not _given(argv, "--max-restarts", "PET_MAX_RESTARTS"):
         config.max_restarts = job.cfg.train.max_restarts
@@ -353,7 +380,10 @@ def launch_training(argv: list[str]) -> int:
     launched = time.time()
     ctrl_c = CtrlC().install(config)  # a second Ctrl-C kills the workers (launch/ctrl_c.py)
     try:
-        diagnosis = run_elastic(config, cmd, cmd_args, job.run_dir, runtime.grace_s)
+        diagnosis = run_elastic(
+            config, cmd, cmd_args, job.run_dir, runtime.grace_s,
+            helper_pid=preloaded.proc.pid if preloaded is not None else None,
+        )  # fmt: skip
     except SignalException as exc:
         # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers
         # (or, after a second Ctrl-C, they were killed).

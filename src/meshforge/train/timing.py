@@ -54,6 +54,9 @@ def process_start() -> float:
         return psutil.Process().create_time()
 
 
+PRELOADED_ENV = "MESHFORGE_PRELOADED"  # set in a worker forked from the zygote
+
+
 def mark_launch() -> None:
     """In the launcher: record its own process start for the workers it starts."""
     os.environ.setdefault(LAUNCHED_AT_ENV, repr(process_start()))
@@ -100,6 +103,9 @@ class RunTiming:
             "exited_at": None,
             "shutdown_s": None,
             "restart_gaps_s": gaps,
+            # rank 0 was forked from the launcher's zygote, torch already imported
+            # (launch/zygote.py), rather than started as a fresh interpreter
+            "preloaded_workers": os.environ.get(PRELOADED_ENV) == "1",
         }
 
 
