@@ -365,6 +365,10 @@ def _launch_training(argv: list[str], preloaded: Any) -> int:
     runtime = job.cfg.runtime
     if not _given(argv, "--max-restarts", "PET_MAX_RESTARTS"):
         config.max_restarts = job.cfg.train.max_restarts
+    if not _given(argv, "--monitor-interval", "PET_MONITOR_INTERVAL"):
+        # how soon the agent sees its workers exit (torchrun's default is 0.1 s): a
+        # run's exit waits on it; the check is a waitpid per worker
+        config.monitor_interval = 0.05
     if not _given(argv, "--shutdown-timeout", "PET_SHUTDOWN_TIMEOUT"):
         # after SIGTERM the workers checkpoint within runtime.grace_s; the agent waits
         # that long (and a little) before it kills them

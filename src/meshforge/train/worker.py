@@ -95,7 +95,10 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
     )  # fmt: skip
     try:
         r = cfg.runtime
-        with distributed(r.device, r.backend, r.timeout_s, r.threads_per_worker) as rt:
+        # the worker command ends in os._exit (cli/train.py): no finalisation to prepare
+        with distributed(
+            r.device, r.backend, r.timeout_s, r.threads_per_worker, exits_at_once=True
+        ) as rt:
             log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
             cfg = agree_on_config(cfg, rt.rank, rt.world_size, rt.env.local_rank, run_dir)
             o = cfg.observe
