@@ -10,6 +10,11 @@ round so that machine noise hits both alike:
   final ckpt      meshforge's final checkpoint write (timing.final_checkpoint_s);
                   the plain loop writes none
 
+Beside them, meshforge with its workers started as fresh interpreters (no zygote:
+MESHFORGE_ZYGOTE=0; launch/zygote.py), and, for DDP, the gap of an elastic restart
+(rank 1 killed after step 12, max_restarts 1, resumed from the step-10 checkpoint:
+report.json timing.restart_gaps_s) with and without the zygote.
+
 Goals (issue 14): meshforge's time to first step at most 1.1x the plain loop's, and
 its time after the last step at most its final checkpoint's write time plus 0.3 s.
 The machine profile is measured once beforehand (a run with --recalibrate), as a
@@ -56,18 +61,31 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MESHFORGE_FAULT"))}
 
 
-def run_meshforge(cfg: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
+def run_meshforge(
+    cfg: Path, run_dir: Path, extra: tuple[str, ...] = (), env: dict | None = None
+) -> dict:
     cmd = [sys.executable, "-m", "meshforge", "train", str(cfg), "--nproc", "2",
            "--run-dir", str(run_dir), *extra]  # fmt: skip
     t0 = time.time()
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=_env())
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env={**_env(), **(env or {})})
     t1 = time.time()
     timing = json.loads((run_dir / "report.json").read_text())["timing"]
     return {
         "first_step_s": timing["first_step_at"] - t0,
         "after_last_s": t1 - timing["last_step_at"],
         "final_checkpoint_s": timing["final_checkpoint_s"],
+        "restart_gaps_s": timing["restart_gaps_s"],
     }
+
+
+FRESH = {"MESHFORGE_ZYGOTE": "0"}
+
+
+def restart_job(steps: int) -> dict:
+    spec = job(max(steps, 20), 0)
+    spec["train"]["max_restarts"] = 1
+    spec["checkpoint"] = {"every": 5}
+    return spec
 
 
 def run_plain(strategy: str, steps: int, timeline: Path) -> dict:
@@ -100,21 +118,33 @@ def main() -> None:
         for strategy, zero in CASES:
             configs[strategy] = tmp / f"{strategy}.yaml"
             configs[strategy].write_text(yaml.safe_dump(job(args.steps, zero)))
+        configs["restart"] = tmp / "restart.yaml"
+        configs["restart"].write_text(yaml.safe_dump(restart_job(args.steps)))
         # the machine measured once, as any later run on this machine finds it
         for strategy, _ in CASES:
             run_meshforge(configs[strategy], tmp / f"calibrate-{strategy}", ("--recalibrate",))
         for rnd in range(args.rounds):
             for strategy, _ in CASES:
-                order = ("meshforge", "plain") if rnd % 2 == 0 else ("plain", "meshforge")
+                whos = ["meshforge", "fresh", "plain"]
+                order = whos[rnd % 3 :] + whos[: rnd % 3]
                 for who in order:
-                    if who == "meshforge":
-                        r = run_meshforge(configs[strategy], tmp / f"run-{strategy}-{rnd}")
-                    else:
+                    if who == "plain":
                         r = run_plain(strategy, args.steps, tmp / f"plain-{strategy}-{rnd}.json")
+                    else:
+                        env = FRESH if who == "fresh" else None
+                        run_dir = tmp / f"run-{strategy}-{who}-{rnd}"
+                        r = run_meshforge(configs[strategy], run_dir, env=env)
                     results.setdefault((strategy, who), []).append(r)
                     first, last = r["first_step_s"], r["after_last_s"]
                     print(f"round {rnd} {strategy:4s} {who:9s}: first step {first:.2f} s, "
                           f"after last {last:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+            for who in ("meshforge", "fresh") if rnd % 2 == 0 else ("fresh", "meshforge"):
+                env = {"MESHFORGE_FAULT": "kill:12:1", **(FRESH if who == "fresh" else {})}
+                run_dir = tmp / f"restart-{who}-{rnd}"
+                r = run_meshforge(configs["restart"], run_dir, env=env)
+                results.setdefault(("restart", who), []).append(r)
+                print(f"round {rnd} restart {who:9s}: gap {r['restart_gaps_s']}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def med(strategy: str, who: str, key: str) -> float:
         return statistics.median(r[key] for r in results[(strategy, who)])
@@ -125,7 +155,7 @@ def main() -> None:
         f"# GPT d128 L4 s128, 2 ranks, {args.steps} steps, {args.rounds} alternating rounds, "
         f"{time.time() - started:.0f} s; medians over rounds; ratio = meshforge / plain "
         "(median of per-round ratios)",
-        f"{'layout':22s} {'first step: mf':>15s} {'plain':>7s} {'ratio':>6s}   "
+        f"{'layout':22s} {'first step: mf':>15s} {'no zygote':>9s} {'plain':>7s} {'ratio':>6s}   "
         f"{'after last: mf':>15s} {'plain':>7s} {'final ckpt':>10s} {'mf - ckpt':>9s}",
     ]
     for strategy, zero in CASES:
@@ -137,11 +167,21 @@ def main() -> None:
         name = f"zero={zero} vs {'torch DDP' if strategy == 'ddp' else 'FSDP2'}"
         lines.append(
             f"{name:22s} {med(strategy, 'meshforge', 'first_step_s'):14.2f}s "
+            f"{med(strategy, 'fresh', 'first_step_s'):8.2f}s "
             f"{med(strategy, 'plain', 'first_step_s'):6.2f}s {ratio:6.3f}   "
             f"{med(strategy, 'meshforge', 'after_last_s'):14.2f}s "
             f"{med(strategy, 'plain', 'after_last_s'):6.2f}s "
             f"{med(strategy, 'meshforge', 'final_checkpoint_s'):9.2f}s {excess:8.2f}s"
         )
+    gaps = {
+        who: statistics.median(r["restart_gaps_s"][0] for r in results[("restart", who)])
+        for who in ("meshforge", "fresh")
+    }
+    lines.append(
+        f"restart gap (zero=0, rank 1 killed after step 12, resumed from step 10): "
+        f"{gaps['meshforge']:.2f} s with the zygote, {gaps['fresh']:.2f} s without "
+        f"({gaps['meshforge'] / gaps['fresh']:.2f}x)"
+    )
     lines.append("# goals: first-step ratio <= 1.1; after last - final ckpt <= 0.3 s")
     emit(lines, args.out)
 

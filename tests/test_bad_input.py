@@ -53,13 +53,13 @@ CASES = [
         ["parallel.tp=2", "vocab_size=257"],
     ),
     (
-        "pp-stages-not-dividing-layers",
-        {"model": {"n_layers": 3, "tie_embeddings": False}, "parallel": {"pp": 2}},
+        "pp-stages-more-than-layers",  # uneven stages are fine, empty ones are not
+        {"model": {"n_layers": 1, "tie_embeddings": False}, "parallel": {"pp": 2}},
         [],
-        ["parallel.pp=2", "n_layers=3"],
+        ["parallel.pp=2", "2 stages", "more than", "n_layers=1"],
     ),
     (
-        "virtual-stages-not-dividing-layers",
+        "virtual-stages-more-than-layers",
         {
             "model": {"tie_embeddings": False},
             "parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2},

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from helpers import meshforge
+from meshforge.config import load_config
+from meshforge.plan.flops import FLOPS_CONVENTION, shape_of, training_flops_per_token
 
 
 @pytest.mark.slow
@@ -78,6 +80,12 @@ def test_run_directory_has_the_designed_layout(job_factory):
     fractions = report["time_breakdown"]
     assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
     assert report["mfu"] is not None and 0 < report["mfu"] < 1
+    # one FLOP convention, said out loud, the planner's (plan/flops.py); MFU from it
+    shape = shape_of(load_config(job.run_dir / "config.yaml"))
+    assert report["flops_convention"] == FLOPS_CONVENTION
+    assert report["flops_per_token"] == training_flops_per_token(shape)
+    per_rank = report["tokens_per_s"] * report["flops_per_token"] / report["world_size"]
+    assert report["mfu"] == pytest.approx(per_rank / report["peak_flops"]["flops_per_s"])
     rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert any("val_loss" in r for r in rows)

@@ -1,12 +1,17 @@
-"""`meshforge plan` as scripts call it: the issue's exact form, --params, search, errors."""
+"""`meshforge plan` as scripts call it: the issue's exact form, --params, search, errors;
+a job file (--config), planned as `meshforge train` would run it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers import assert_one_line_error, meshforge
+from helpers import REPO, assert_one_line_error, meshforge
+from meshforge.plan.efficiency import curve_for
 
 ISSUE_FORM = (
     "--layers 96 --hidden 12288 --heads 96 --vocab 51200 --seq 2048 --gpus 1024 "
@@ -31,6 +36,7 @@ def test_the_issue_form_prints_one_json_object_with_the_listed_keys():
     assert (lay["tp"], lay["pp"], lay["dp"], lay["recompute"]) == (8, 8, 16, "full")
     # hardware TFLOP/s counts the recomputed forward: HFU > MFU
     assert out["hfu"] > out["mfu"] > 0.2
+    assert out["calibration"] == curve_for("a100-80gb")[1]  # which fit the curve is
     assert out["tflops_per_gpu"] == pytest.approx(out["hfu"] * 312, rel=1e-6)
     assert out["tokens_per_s"] == pytest.approx(1536 * 2048 / out["step_time_s"])
     assert 0 < out["bubble_fraction"] < 0.3
@@ -63,7 +69,9 @@ def test_search_prints_candidates_best_first():
 def test_table_output_for_humans():
     proc = _plan(*ISSUE_FORM[:-1])
     assert proc.returncode == 0, proc.stderr
-    assert "MFU / HFU" in proc.stdout and "dp16 tp8 pp8" in proc.stdout
+    # dp was left out: the search chose it (marked *); tp and pp were given
+    assert "MFU / HFU" in proc.stdout and "dp16* tp8 pp8" in proc.stdout
+    assert "* chosen by the search: dp," in proc.stdout
 
 
 def test_cpu_profile_file(tmp_path):
@@ -97,3 +105,159 @@ def test_cpu_profile_file(tmp_path):
 )
 def test_bad_input_exits_2_with_one_line_naming_it(args, words):
     assert_one_line_error(_plan(*args), *words)
+
+
+# -- a job file: --config ---------------------------------------------------------------------
+
+LAYOUT_FIELDS = ("dp", "tp", "pp", "zero", "micro_batch", "virtual_stages", "recompute",
+                 "sequence_parallel")  # fmt: skip
+RESULT_KEYS = ("layout", "step_time_s", "memory_per_gpu_bytes", "model_params", "training",
+               "fits", "mfu")  # fmt: skip
+
+
+def _plan_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`meshforge plan ARGS` in this process (the CLI's own entry point, exit code and all)."""
+    from meshforge.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, stop.value.code, out.out, out.err)
+
+
+def _json_here(capsys, *args: str) -> dict:
+    proc = _plan_here(capsys, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _job(tmp_path: Path, cfg: dict, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_config_plans_the_same_as_the_equivalent_flags(capsys):
+    # examples/gpt-tiny.yaml: gpt 4 x 128, 4 heads, vocab 256, seq 128; zero 2, tp 1, pp 1,
+    # dp auto; global batch 16, micro-batch 8, fp32, no activation checkpointing
+    job = _json_here(capsys, "--config", str(REPO / "examples/gpt-tiny.yaml"), "--gpus", "2")
+    flags = _json_here(
+        capsys, "--layers", "4", "--hidden", "128", "--heads", "4", "--vocab", "256",
+        "--seq", "128", "--global-batch", "16", "--precision", "fp32", "--zero", "2",
+        "--tp", "1", "--pp", "1", "--micro-batch", "8", "--recompute", "none", "--gpus", "2",
+    )  # fmt: skip
+    assert job == flags
+    assert job["layout"]["dp"] == 2 and job["layout"]["zero"] == 2
+    assert job["layout_fields"]["dp"] == "searched"
+    assert all(job["layout_fields"][k] == "given" for k in ("tp", "pp", "zero", "micro_batch"))
+
+
+def test_a_job_giving_only_tp_has_the_rest_searched(tmp_path, capsys):
+    cfg = {"model": {"preset": "llama-8b"}, "parallel": {"tp": 2},
+           "precision": {"dtype": "bf16"}, "train": {"global_batch": 256}}  # fmt: skip
+    out = _json_here(capsys, "--config", _job(tmp_path, cfg), "--gpus", "32")
+    assert out["layout"]["tp"] == 2
+    assert out["layout_fields"] == {k: "given" if k == "tp" else "searched" for k in LAYOUT_FIELDS}
+    table = _plan_here(capsys, "--config", _job(tmp_path, cfg), "--gpus", "32").stdout
+    assert " tp2 " in table and "dp" in table and "* chosen by the search: dp, pp" in table
+
+
+def test_a_layout_flag_overrides_the_jobs_field_and_counts_as_given(capsys):
+    out = _json_here(
+        capsys, "--config", str(REPO / "examples/gpt-tiny.yaml"), "--gpus", "2", "--zero", "3",
+        "--dp", "2",
+    )  # fmt: skip
+    assert (out["layout"]["zero"], out["layout"]["dp"]) == (3, 2)
+    assert out["layout_fields"]["dp"] == out["layout_fields"]["zero"] == "given"
+
+
+def test_gpus_defaults_to_the_jobs_world_size(tmp_path, capsys):
+    cfg = {"model": {"tie_embeddings": False}, "parallel": {"dp": 2, "tp": 2, "pp": 2}}
+    out = _json_here(capsys, "--config", _job(tmp_path, cfg))
+    assert out["n_gpus"] == 8
+    assert (out["layout"]["dp"], out["layout"]["tp"], out["layout"]["pp"]) == (2, 2, 2)
+
+
+def test_a_preset_job_plans_the_presets_shape(tmp_path, capsys):
+    cfg = {
+        "model": {"preset": "llama-8b"},
+        "precision": {"dtype": "bf16"},
+        "parallel": {"tp": 8, "pp": 2, "zero": 2},
+        "train": {"global_batch": 512, "micro_batch": 1, "activation_checkpointing": "full"},
+    }
+    job = _json_here(capsys, "--config", _job(tmp_path, cfg), "--gpus", "64")
+    flags = _json_here(
+        capsys, "--model", "llama-8b", "--tp", "8", "--pp", "2", "--zero", "2", "--gpus", "64",
+        "--global-batch", "512", "--micro-batch", "1", "--recompute", "full",
+    )  # fmt: skip
+    for key in RESULT_KEYS:
+        assert job[key] == flags[key], key
+    assert 7.9e9 < job["model_params"] < 8.2e9
+    assert (job["layout"]["tp"], job["layout"]["pp"], job["layout"]["dp"]) == (8, 2, 4)
+
+
+def test_the_search_offers_only_layouts_the_trainer_runs(tmp_path, capsys):
+    # gpt2-1.5b ties its head to the embedding: the trainer refuses pp > 1; its
+    # activation checkpointing is none, full or every other block (not Korthikanti's)
+    flags = _json_here(capsys, "--model", "gpt2-1.5b", "--gpus", "64", "--global-batch", "64",
+                       "--top", "20")["candidates"]  # fmt: skip
+    assert any(c["layout"]["pp"] > 1 or c["layout"]["recompute"] == "selective" for c in flags)
+    cfg = {"model": {"preset": "gpt2-1.5b"}, "parallel": "auto",
+           "precision": {"dtype": "bf16"}, "train": {"global_batch": 64}}  # fmt: skip
+    job = _json_here(capsys, "--config", _job(tmp_path, cfg), "--gpus", "64", "--top", "20")
+    assert job["candidates"]
+    for c in job["candidates"]:
+        assert c["layout"]["pp"] == 1 and c["layout"]["recompute"] != "selective"
+        assert c["layout_fields"] == {k: "searched" for k in LAYOUT_FIELDS}
+
+
+def test_set_overrides_the_job_as_for_train(capsys):
+    out = _json_here(capsys, "--config", str(REPO / "examples/gpt-tiny.yaml"), "--gpus", "2",
+                     "--set", "train.global_batch=32", "--set", "model.n_layers=8")  # fmt: skip
+    assert out["training"]["global_batch"] == 32
+    small = _json_here(capsys, "--config", str(REPO / "examples/gpt-tiny.yaml"), "--gpus", "2")
+    assert out["model_params"] > small["model_params"]
+
+
+def test_flag_form_marks_given_and_searched_fields(capsys):
+    out = _json_here(capsys, *ISSUE_FORM[:-1])
+    fields = out["layout_fields"]
+    assert (fields["tp"], fields["pp"], fields["recompute"]) == ("given", "given", "given")
+    assert fields["dp"] == fields["zero"] == fields["micro_batch"] == "searched"
+
+
+@pytest.mark.parametrize(
+    "job,args,words",
+    [
+        (None, ["--config", "/nonexistent/job.yaml"], ["not found", "/nonexistent/job.yaml"]),
+        ("model: {name: gpt\n", [], ["invalid YAML"]),
+        ("train: {stepz: 5}\n", [], ["unknown key", "train.stepz"]),
+        ("model: {name: 'user_models:tiny_mlp'}\n", ["--gpus", "2"],
+         ["model.name=user_models:tiny_mlp", "factory"]),
+        ("parallel: {mode: parameter_server}\n", ["--gpus", "2"], ["parameter_server"]),
+        ("model: {n_layers: 4}\n", ["--gpus", "2", "--layers", "8"],
+         ["--layers", "--config", "--set model.n_layers"]),
+        ("model: {n_layers: 4}\n", ["--gpus", "2", "--model", "llama-8b"],
+         ["--model", "--set model.preset"]),
+        ("model: {n_layers: 4}\n", ["--gpus", "2", "--global-batch", "8"],
+         ["--global-batch", "train.global_batch"]),
+        ("model: {n_layers: 4}\n", ["--gpus", "2", "--params", "1e9"], ["--params", "--config"]),
+        ("model: {n_layers: 4}\n", ["--gpus", "2", "--optimizer", "sgd"], ["--optimizer"]),
+        ("parallel: {tp: 2}\n", [], ["--gpus", "parallel.dp", "parallel.pp"]),
+        ("parallel: {tp: 2}\n", ["--gpus", "2", "--set", "parallel.tp=3"], ["parallel.tp=3"]),
+        # the trainer's own checks of the given layout name the job's fields
+        ("parallel: {tp: 1, pp: 1}\ntrain: {global_batch: 16, micro_batch: 8}\n",
+         ["--gpus", "4"], ["train.global_batch=16", "dp=4"]),
+        ("model: {tie_embeddings: true}\nparallel: {dp: 1, tp: 1, pp: 2}\n", [],
+         ["model.tie_embeddings", "parallel.pp=2"]),
+        ("parallel: {pp: 2, pp_schedule: zbv}\nmodel: {tie_embeddings: false}\n", ["--gpus", "2"],
+         ["pp_schedule=zbv"]),
+        (None, ["--gpus", "2", "--params", "1e9", "--set", "train.steps=5"], ["--set", "--config"]),
+    ],
+)  # fmt: skip
+def test_bad_job_input_exits_2_with_one_line(tmp_path, capsys, job, args, words):
+    if job is not None:
+        path = tmp_path / "job.yaml"
+        path.write_text(job)
+        args = ["--config", str(path), *args]
+    assert_one_line_error(_plan_here(capsys, *args), *words)

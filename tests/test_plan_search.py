@@ -27,7 +27,7 @@ def _assert_valid(prediction, shape: GPTShape, n_gpus: int, global_batch: int) -
     lay, train = prediction.layout, prediction.training
     assert lay.dp * lay.tp * lay.pp == n_gpus
     assert shape.n_heads % lay.tp == 0
-    assert shape.n_layers % (lay.pp * lay.virtual_stages) == 0
+    assert lay.pp * lay.virtual_stages <= shape.n_layers  # uneven stages allowed
     assert global_batch % (lay.dp * train.micro_batch) == 0
     m = global_batch // (lay.dp * train.micro_batch)
     if lay.pp > 1:
@@ -141,12 +141,17 @@ def test_zero3_moves_more_data_than_ddp_and_recompute_costs_time():
     shape = GPTShape(24, 2048, 16, 32000, 2048)
     cluster = Cluster(gpu_spec("a100-80gb"), 64, 8, link_spec("nvlink3"), link_spec("eth-10"), 1)
     training = Training(global_batch=64)
-    ddp = evaluate(shape, Layout(dp=64, zero=0), training, cluster).time
-    z3 = evaluate(shape, Layout(dp=64, zero=3), training, cluster).time
+    # in fp32 ZeRO-3 moves 1.5x DDP's bytes (in bf16 its gathers are half as large, and
+    # 2 + 2 + 4 bytes per parameter equal DDP's fp32 all-reduce)
+    fp32 = Training(global_batch=64, precision="fp32")
+    ddp = evaluate(shape, Layout(dp=64, zero=0), fp32, cluster).time
+    z3 = evaluate(shape, Layout(dp=64, zero=3), fp32, cluster).time
     assert z3.dp_comm_total_s > ddp.dp_comm_total_s
     full = evaluate(shape, Layout(dp=64), Training(global_batch=64, recompute="full"), cluster)
     none = evaluate(shape, Layout(dp=64), training, cluster)
-    assert full.step_time_s > none.step_time_s
+    # on this slow network the step is bound by the all-reduce the backward hides under
+    assert full.time.compute_s > none.time.compute_s
+    assert full.step_time_s >= none.step_time_s
     assert full.hfu > full.mfu and none.hfu == none.mfu
 
 

@@ -282,7 +282,10 @@ def io(
         typer.Option("--gpus-per-node", help="Devices per node (default 8).", rich_help_panel=_JOB),
     ] = None,
     gpu: Annotated[
-        str, typer.Option("--gpu", help="Catalogue GPU for --config.", rich_help_panel=_JOB)
+        str,
+        typer.Option(
+            "--gpu", help="Catalogue GPU for --config (a plan --gpu key).", rich_help_panel=_JOB
+        ),
     ] = "h100",
 ) -> None:
     """Read throughput (MB/s, tokens/s) and latency percentiles of the storage under

@@ -1,4 +1,5 @@
-"""`meshforge plan`: memory, step time and MFU of a layout, or the best layouts for N GPUs."""
+"""`meshforge plan`: memory, step time and MFU of a layout, or the best layouts for N GPUs;
+of a model given by flags, or of a job file (`--config`, the job `meshforge train` runs)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.app import app
+from meshforge.plan.gpus import GPU_BY_KEY
 
 if TYPE_CHECKING:
+    from meshforge.plan.job import JobPlan
     from meshforge.plan.predict import Prediction
+    from meshforge.plan.search import LayoutChoice
 
-_MODEL = "Model"
+_JOB = "Job"
+_MODEL = "Model (not with --config: the job gives it)"
 _CLUSTER = "Cluster"
-_TRAINING = "Training"
-_LAYOUT = "Layout (left out: searched)"
+_TRAINING = "Training (not with --config: the job gives it)"
+_LAYOUT = "Layout (left out: searched; with --config, each overrides the job's field)"
 
 
 def _opt(*names: str, help: str, panel: str):
@@ -37,7 +42,7 @@ Hidden = Annotated[int | None, _opt("--hidden", help="Hidden size h.", panel=_MO
 Heads = Annotated[int | None, _opt("--heads", help="Attention heads.", panel=_MODEL)]
 Vocab = Annotated[int | None, _opt("--vocab", help="Vocabulary size.", panel=_MODEL)]
 Seq = Annotated[int | None, _opt("--seq", help="Sequence length.", panel=_MODEL)]
-MlpRatio = Annotated[int, _opt("--mlp-ratio", help="MLP width / h.", panel=_MODEL)]
+MlpRatio = Annotated[int | None, _opt("--mlp-ratio", help="MLP width / h.", panel=_MODEL)]
 Params = Annotated[
     float | None,
     _opt("--params", help="Bare parameter count (model-state maths only).", panel=_MODEL),
@@ -46,9 +51,15 @@ Gpus = Annotated[int | None, _opt("--gpus", help="GPUs (or ranks).", panel=_CLUS
 GlobalBatch = Annotated[
     int | None, _opt("--global-batch", help="Sequences per step.", panel=_TRAINING)
 ]
-Precision = Annotated[str, _opt("--precision", help="bf16, fp16 or fp32.", panel=_TRAINING)]
-Optimizer = Annotated[str, _opt("--optimizer", help="adamw or sgd.", panel=_TRAINING)]
-Attention = Annotated[str, _opt("--attention", help="sdpa (fused) or eager.", panel=_TRAINING)]
+Precision = Annotated[
+    str | None, _opt("--precision", help="bf16 (default), fp16 or fp32.", panel=_TRAINING)
+]
+Optimizer = Annotated[
+    str | None, _opt("--optimizer", help="adamw (default) or sgd.", panel=_TRAINING)
+]
+Attention = Annotated[
+    str | None, _opt("--attention", help="sdpa (fused, default) or eager.", panel=_TRAINING)
+]
 Dp = Annotated[int | None, _opt("--dp", help="Data-parallel degree.", panel=_LAYOUT)]
 Tp = Annotated[int | None, _opt("--tp", help="Tensor-parallel degree.", panel=_LAYOUT)]
 Pp = Annotated[int | None, _opt("--pp", help="Pipeline stages.", panel=_LAYOUT)]
@@ -72,20 +83,35 @@ AsJson = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.
 
 @app.command("plan")
 def plan_command(
+    config: Annotated[
+        Path | None,
+        _opt(
+            "--config",
+            help="A job file: plan the job `meshforge train` runs (its model, batch, "
+            "precision; the layout fields it names are kept, the others searched). Layout "
+            "flags (--dp ... --sequence-parallel) override the job's; model and training "
+            "flags are refused: use --set.",
+            panel=_JOB,
+        ),
+    ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        _opt("--set", help="Override a job key, as for train: KEY.PATH=VALUE.", panel=_JOB),
+    ] = None,
     preset: Preset = None,
     layers: Layers = None,
     hidden: Hidden = None,
     heads: Heads = None,
     vocab: Vocab = None,
     seq: Seq = None,
-    mlp_ratio: MlpRatio = 4,
+    mlp_ratio: MlpRatio = None,
     params: Params = None,
     gpus: Gpus = None,
     gpus_per_node: Annotated[
         int, _opt("--gpus-per-node", help="GPUs per node.", panel=_CLUSTER)
     ] = 8,
     gpu: Annotated[
-        str, _opt("--gpu", help="a100-40gb, a100-80gb, h100, h200.", panel=_CLUSTER)
+        str, _opt("--gpu", help=f"A GPU of the table: {', '.join(GPU_BY_KEY)}.", panel=_CLUSTER)
     ] = "h100",
     network: Annotated[
         str,
@@ -112,9 +138,9 @@ def plan_command(
         ),
     ] = None,
     global_batch: GlobalBatch = None,
-    precision: Precision = "bf16",
-    optimizer: Optimizer = "adamw",
-    attention: Attention = "sdpa",
+    precision: Precision = None,
+    optimizer: Optimizer = None,
+    attention: Attention = None,
     dp: Dp = None,
     tp: Tp = None,
     pp: Pp = None,
@@ -131,34 +157,113 @@ def plan_command(
     ] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Predict memory per GPU, step time, throughput and MFU for a layout, or search."""
+    """Predict memory per GPU, step time, throughput and MFU for a layout, or search:
+    of a model given by flags, or of a job file (--config, with layout flags overriding
+    the job's fields). The output marks each layout field given or searched (*)."""
     from meshforge.errors import ConfigError
+    from meshforge.plan.job import layout_fields
     from meshforge.plan.layout import Training
     from meshforge.plan.request import build_cluster, build_model, plan, plan_json, world_size_from
     from meshforge.plan.search import LayoutChoice
 
-    if attention not in ("sdpa", "eager"):
-        raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
-    model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, params, preset)
-    if global_batch is None and params is None:
-        raise ConfigError("--global-batch is required with a model shape")
-    choice = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
-                          sequence_parallel)  # fmt: skip
-    n = world_size_from(gpus, choice)
+    flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
+                         sequence_parallel)  # fmt: skip
+    refusal = None
+    if config is not None:
+        _refuse_model_flags(
+            {"--model": preset, "--layers": layers, "--hidden": hidden, "--heads": heads,
+             "--vocab": vocab, "--seq": seq, "--mlp-ratio": mlp_ratio, "--params": params,
+             "--global-batch": global_batch, "--precision": precision,
+             "--optimizer": optimizer, "--attention": attention}
+        )  # fmt: skip
+        job = _load_job(config, overrides or [], flags)
+        model, training, choice, refusal = job.shape, job.training, job.choice, job.refusal
+        fields = job.layout_fields()
+        n = gpus if gpus is not None else _job_world_size(job)
+        job.check_given(n)
+    else:
+        if overrides:
+            raise ConfigError("--set changes a job file: give the job with --config")
+        attention = "sdpa" if attention is None else attention
+        if attention not in ("sdpa", "eager"):
+            raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
+        ratio = 4 if mlp_ratio is None else mlp_ratio
+        model = build_model(layers, hidden, heads, vocab, seq, ratio, params, preset)
+        if global_batch is None and params is None:
+            raise ConfigError("--global-batch is required with a model shape")
+        choice = flags
+        # with a bare parameter count only dp and zero are searched (search.py)
+        fields = layout_fields(choice, "searched")
+        if params is not None:
+            fields = {k: v if k in ("dp", "zero") or v == "given" else "default"
+                      for k, v in fields.items()}  # fmt: skip
+        n = world_size_from(gpus, choice)
+        training = Training(
+            global_batch=global_batch or 1,
+            micro_batch=micro_batch or 1,
+            precision="bf16" if precision is None else precision,
+            recompute=recompute or "none",
+            optimizer="adamw" if optimizer is None else optimizer,
+            sdpa=attention == "sdpa",
+        )
     cluster = build_cluster(n, gpu, gpus_per_node, network, intra_network, nics_per_node, profile)
-    training = Training(
-        global_batch=global_batch or 1,
-        micro_batch=micro_batch or 1,
-        precision=precision,
-        recompute=recompute or "none",
-        optimizer=optimizer,
-        sdpa=attention == "sdpa",
-    )
-    predictions, is_search = plan(model, training, cluster, choice, memory_convention, top)
+    predictions, is_search = plan(model, training, cluster, choice, memory_convention, top, refusal)
     if as_json:
-        typer.echo(json.dumps(plan_json(predictions, is_search)))
+        typer.echo(json.dumps(plan_json(predictions, is_search, fields)))
         return
-    _print_table(predictions, is_search, cluster.device.name, n)
+    _print_table(predictions, is_search, cluster.device.name, n, fields)
+
+
+# What to --set instead of a model or training flag beside --config.
+_JOB_KEYS = {
+    "--model": "model.preset", "--layers": "model.n_layers", "--hidden": "model.d_model",
+    "--heads": "model.n_heads", "--vocab": "model.vocab_size", "--seq": "model.seq_len",
+    "--mlp-ratio": "model.mlp_ratio", "--global-batch": "train.global_batch",
+    "--precision": "precision.dtype",
+}  # fmt: skip
+
+
+def _refuse_model_flags(given: dict[str, object]) -> None:
+    """With --config the job gives the model and its training: a flag that would change
+    them is refused (the plan must be the job `train` runs; --set changes both alike)."""
+    from meshforge.errors import ConfigError
+
+    for flag, value in given.items():
+        if value is None:
+            continue
+        if flag in _JOB_KEYS:
+            raise ConfigError(
+                f"{flag} with --config: the job gives the model and its training; "
+                f"change the job with --set {_JOB_KEYS[flag]}=..."
+            )
+        if flag == "--params":
+            raise ConfigError("--params with --config: the job gives the model's shape")
+        raise ConfigError(
+            f"{flag} with --config: a job trains with AdamW and SDPA attention; "
+            "--optimizer and --attention apply to a model given by flags"
+        )
+
+
+def _load_job(config: Path, overrides: list[str], flags: LayoutChoice) -> JobPlan:
+    """The job `meshforge train CONFIG --set ...` would run (the same loader and checks),
+    as the planner sees it; the layout flags override the job's fields."""
+    from meshforge.config import load_config
+    from meshforge.plan.job import plan_for_job
+
+    return plan_for_job(load_config(config, overrides), flags)
+
+
+def _job_world_size(job: JobPlan) -> int:
+    from meshforge.errors import ConfigError
+    from meshforge.plan.job import JOB_FIELDS
+
+    if job.world_size is not None:
+        return job.world_size
+    left = [k for k in ("dp", "tp", "pp") if getattr(job.choice, k) is None]
+    raise ConfigError(
+        f"--gpus is required: the job leaves {', '.join(JOB_FIELDS[k] for k in left)} to be "
+        f"chosen (or give {' '.join('--' + k for k in left)})"
+    )
 
 
 def _gib(value: float | None) -> str:
@@ -169,21 +274,41 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _layout_text(p: Prediction) -> str:
+def _layout_text(p: Prediction, fields: dict[str, str]) -> str:
+    """`dp16* tp8 pp8 zero1* mb1* full`: a `*` marks a field the search chose."""
     lay, train = p.layout, p.training
-    text = f"dp{lay.dp} tp{lay.tp} pp{lay.pp} zero{lay.zero}"
+
+    def part(name: str, text: str) -> str:
+        return text + ("*" if fields.get(name) == "searched" else "")
+
+    parts = [part("dp", f"dp{lay.dp}"), part("tp", f"tp{lay.tp}"), part("pp", f"pp{lay.pp}"),
+             part("zero", f"zero{lay.zero}")]  # fmt: skip
     if p.time is not None:
-        text += f" mb{train.micro_batch} {train.recompute}"
-        text += f" v{lay.virtual_stages}" if lay.pp > 1 else ""
-        text += " sp" if lay.sequence_parallel else ""
-    return text
+        parts += [part("micro_batch", f"mb{train.micro_batch}"), part("recompute", train.recompute)]
+        if lay.pp > 1:
+            parts.append(part("virtual_stages", f"v{lay.virtual_stages}"))
+        if lay.sequence_parallel:
+            parts.append(part("sequence_parallel", "sp"))
+    return " ".join(parts)
+
+
+def _legend(fields: dict[str, str]) -> str:
+    """`* chosen by the search: dp, zero; given: tp, pp`."""
+    searched = [k for k, v in fields.items() if v == "searched"]
+    given = [k for k, v in fields.items() if v == "given"]
+    return (
+        f"* chosen by the search: {', '.join(searched) or 'none'}; "
+        f"given: {', '.join(given) or 'none'}"
+    )
 
 
 def _hw_tflops(p: Prediction) -> float | None:
     return None if p.hfu is None else p.hfu * p.peak_flops_per_s / 1e12
 
 
-def _print_table(predictions: list[Prediction], is_search: bool, device: str, n: int) -> None:
+def _print_table(
+    predictions: list[Prediction], is_search: bool, device: str, n: int, fields: dict[str, str]
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -195,13 +320,16 @@ def _print_table(predictions: list[Prediction], is_search: bool, device: str, n:
         return
     convention = predictions[0].memory.convention
     if is_search:
-        table = Table(title=f"best layouts for {n} x {device} ({convention} memory)")
+        table = Table(
+            title=f"best layouts for {n} x {device} ({convention} memory)",
+            caption=_legend(fields),
+        )
         for column in ("layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
                        "memory/GPU", "fits"):  # fmt: skip
             table.add_column(column, justify="left" if column == "layout" else "right")
         for p in predictions:
             table.add_row(
-                _layout_text(p), _num(p.step_time_s, ".3g"), _num(p.tokens_per_s, ",.0f"),
+                _layout_text(p, fields), _num(p.step_time_s, ".3g"), _num(p.tokens_per_s, ",.0f"),
                 _num(_hw_tflops(p), ".0f"), _num(p.mfu, ".1%"), _num(p.bubble_fraction, ".1%"),
                 _gib(p.memory.total), "yes" if p.fits else "NO",
             )  # fmt: skip
@@ -212,7 +340,7 @@ def _print_table(predictions: list[Prediction], is_search: bool, device: str, n:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [
-        ("layout", _layout_text(p)),
+        ("layout", _layout_text(p, fields)),
         ("step time", _num(p.step_time_s, ".4g") + " s"),
         ("tokens/s", _num(p.tokens_per_s, ",.0f")),
         ("TFLOP/s per GPU (hardware)", _num(_hw_tflops(p), ".1f")),
@@ -229,4 +357,5 @@ def _print_table(predictions: list[Prediction], is_search: bool, device: str, n:
     ]  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)
+    table.caption = _legend(fields)
     console.print(table)

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from meshforge.config import read_yaml_file
 from meshforge.errors import ConfigError
-from meshforge.plan.hardware import GPU_ALIASES, GPU_CATALOGUE, LINK_PRESETS
+from meshforge.plan.gpus import GPU_BY_KEY, gpu_key
+from meshforge.plan.hardware import LINK_PRESETS
 
 
 class _Section(BaseModel):
@@ -24,14 +25,13 @@ class _Section(BaseModel):
 class GpuSection(_Section):
     count: int = Field(ge=1)
     unit_price_usd: float = Field(ge=0)
-    kind: str | None = None  # catalogue name (a100-80gb, h100, ...), for planned runs
+    kind: str | None = None  # plan/gpus.py key (a100-80gb, h100, ...), for planned runs
 
     @model_validator(mode="after")
     def _known_kind(self) -> GpuSection:
         if self.kind is not None:
-            key = GPU_ALIASES.get(self.kind.lower(), self.kind.lower())
-            if key not in GPU_CATALOGUE:
-                known = ", ".join(sorted(GPU_CATALOGUE))
+            if gpu_key(self.kind) is None:
+                known = ", ".join(GPU_BY_KEY)
                 raise ValueError(f"gpus.kind {self.kind!r} is not in the catalogue ({known})")
         return self
 

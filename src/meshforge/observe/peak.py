@@ -1,9 +1,10 @@
 """Peak FLOP/s of the device a run trains on, the denominator of MFU.
 
-GPUs: a table of dense (no sparsity) tensor-core figures from NVIDIA's
-datasheets, matched by the full CUDA device name. A GPU that is not in the
-table gets ``None`` and source ``"unknown"``: never another GPU's figure, so
-MFU is reported as "n/a" rather than as a confident wrong number.
+GPUs: the one GPU table (``meshforge.plan.gpus``, shared with the planner) of
+dense (no sparsity) figures from NVIDIA's datasheets, matched by the full CUDA
+device name. A GPU that is not in the table gets ``None`` and source
+``"unknown"``: never another GPU's figure, so MFU is reported as "n/a" rather
+than as a confident wrong number.
 
 CPUs: no datasheet applies, so the peak is a measured square-matmul rate for
 the run's dtype and torch thread count, cached per machine in
@@ -18,7 +19,6 @@ import json
 import math
 import os
 import platform
-import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from meshforge.plan.gpus import match_cuda_name
+
 
 @dataclass
 class PeakFlops:
@@ -34,42 +36,6 @@ class PeakFlops:
     source: str  # "table:<gpu> <dtype> dense", "measured:...", "cached:...", or "unknown"
     device_name: str
 
-
-@dataclass(frozen=True)
-class _GpuSpec:
-    label: str
-    pattern: str  # full match against the normalised device name
-    bf16: float | None  # dense TFLOP/s
-    fp16: float | None
-    tf32: float | None
-    fp32: float
-
-
-# Dense TFLOP/s from NVIDIA datasheets. Where a datasheet only prints the
-# sparse figure (marked * there), the dense figure is half of it.
-# GeForce figures are FP16/BF16 with FP32 accumulate (what PyTorch uses).
-_GPU_TABLE: tuple[_GpuSpec, ...] = (
-    _GpuSpec("A100 SXM", r"A100 SXM4? (40|80)GB", 312, 312, 156, 19.5),
-    _GpuSpec("A100 PCIe", r"A100 (PCIE (40|80)GB|(40|80)GB PCIE)", 312, 312, 156, 19.5),
-    _GpuSpec("H100 SXM", r"H100( SXM5?)?( \d+GB)?( HBM3)?", 989, 989, 494.5, 67),
-    _GpuSpec("H100 PCIe", r"H100( \d+GB)? (PCIE|HBM2E)|H100 PCIE( \d+GB)?", 756, 756, 378, 51),
-    _GpuSpec("H100 NVL", r"H100 NVL( \d+GB)?", 835.5, 835.5, 417.5, 60),
-    _GpuSpec("H200 SXM", r"H200( SXM5?)?( \d+GB)?( HBM3E)?", 989, 989, 494.5, 67),
-    _GpuSpec("H200 NVL", r"H200 NVL( \d+GB)?", 835.5, 835.5, 417.5, 60),
-    _GpuSpec("GH200", r"GH200( \d+GB)?( HBM3E?)?", 989, 989, 494.5, 67),
-    _GpuSpec("L4", r"L4", 121, 121, 60, 30.3),
-    _GpuSpec("L40", r"L40", 181.05, 181.05, 90.5, 90.5),
-    _GpuSpec("L40S", r"L40S", 362.05, 362.05, 183, 91.6),
-    _GpuSpec("A10", r"A10", 125, 125, 62.5, 31.2),
-    _GpuSpec("A30", r"A30", 165, 165, 82, 10.3),
-    _GpuSpec("A40", r"A40", 149.7, 149.7, 74.8, 37.4),
-    _GpuSpec("V100 SXM2", r"V100 SXM2( \d+GB)?", None, 125, None, 15.7),
-    _GpuSpec("V100 PCIe", r"V100 PCIE( \d+GB)?", None, 112, None, 14),
-    _GpuSpec("V100S PCIe", r"V100S PCIE( \d+GB)?", None, 130, None, 16.4),
-    _GpuSpec("T4", r"T4", None, 65, None, 8.1),
-    _GpuSpec("RTX 4090", r"RTX 4090", 165.2, 165.2, 82.6, 82.6),
-    _GpuSpec("RTX 3090", r"RTX 3090", 71, 71, 35.6, 35.6),
-)
 
 _DTYPE_ALIASES = {
     "fp32": "fp32",
@@ -92,30 +58,16 @@ def _canonical_dtype(dtype: str) -> str:
         raise ValueError(f"unknown dtype {dtype!r}; expected fp32, tf32, bf16 or fp16") from None
 
 
-def _normalise_gpu_name(name: str) -> str:
-    text = re.sub(r"[\s\-_]+", " ", name.upper()).strip()
-    for prefix in ("NVIDIA ", "TESLA ", "GEFORCE "):
-        text = text.removeprefix(prefix)
-    return text
-
-
-def _match_gpu(name: str) -> _GpuSpec | None:
-    normalised = _normalise_gpu_name(name)
-    matches = [spec for spec in _GPU_TABLE if re.fullmatch(spec.pattern, normalised)]
-    # Patterns are exclusive by construction; two matches would be a table bug.
-    return matches[0] if len(matches) == 1 else None
-
-
 def gpu_peak_flops(name: str, dtype: str) -> float | None:
     """Dense peak FLOP/s of the GPU named ``name`` for ``dtype``, or None if unknown.
 
     ``dtype`` is fp32 (CUDA cores), tf32, bf16 or fp16 (tensor cores). None also
     when the GPU has no such unit (bf16 on a V100)."""
     key = _canonical_dtype(dtype)
-    spec = _match_gpu(name)
-    if spec is None:
+    gpu = match_cuda_name(name)
+    if gpu is None:
         return None
-    tflops = getattr(spec, key)
+    tflops = gpu.peak_tflops(key)
     return None if tflops is None else float(tflops) * 1e12
 
 
@@ -259,11 +211,11 @@ def detect_peak_flops(device: torch.device, dtype: str, threads: int | None = No
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         matmul_dtype = _cuda_matmul_dtype(key)
-        spec = _match_gpu(name)
+        gpu = match_cuda_name(name)
         flops = gpu_peak_flops(name, matmul_dtype)
-        if spec is None or flops is None:
+        if gpu is None or flops is None:
             return PeakFlops(None, "unknown", name)
-        return PeakFlops(flops, f"table:{spec.label} {matmul_dtype} dense", name)
+        return PeakFlops(flops, f"table:{gpu.label} {matmul_dtype} dense", name)
     if device.type == "cpu":
         n_threads = threads or torch.get_num_threads()
         flops, cached = _cpu_peak(key, n_threads, use_cache=True)

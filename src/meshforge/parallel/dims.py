@@ -296,10 +296,10 @@ def check_model_split(cfg: JobConfig) -> None:
             "parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2"
         )
     chunks = p.pp * stages_per_rank(p.pp_schedule, p.virtual_stages) if p.pp > 1 else 1
-    if m.n_layers % chunks:
+    if chunks > m.n_layers:  # uneven stages are fine (plan.stages.layer_split), empty ones not
         raise ConfigError(
             f"parallel.pp={p.pp} x {stages_per_rank(p.pp_schedule, p.virtual_stages)} "
-            f"stage(s) per rank ({p.pp_schedule}) = {chunks} stages does not divide "
+            f"stage(s) per rank ({p.pp_schedule}) = {chunks} stages is more than "
             f"model.n_layers={m.n_layers}"
         )
     if p.pp > 1 and m.tie_embeddings:

@@ -35,12 +35,13 @@ from typing import Any
 
 from meshforge.config import JobConfig, ParallelConfig, build_config
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape, shape_of
+from meshforge.plan.flops import shape_of
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import Training
 from meshforge.plan.predict import Prediction
 from meshforge.plan.profile import MachineProfile
 from meshforge.plan.search import LayoutChoice, best_layout
+from meshforge.plan.timing import HostCosts, _gpt_units, host_step_time  # noqa: F401
 
 # Assumed when this machine has no measured profile yet: the order of magnitude of one
 # core of a current x86 server with gloo over loopback (matmul rate of a mid-sized fp32
@@ -139,117 +140,9 @@ def threads_per_worker(cfg: JobConfig, nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
-# -- the trainer on a host without streams (CPU, gloo) -------------------------------------
-#
-# The planner's time model (timing.py) is the GPU one: FSDP's collectives run on their
-# own CUDA streams, hidden under compute. On a CPU with gloo, meshforge's trainer does
-# not overlap them: FSDP2 waits for each unit's all-gather before its compute and for
-# each reduce-scatter in the post-backward hook (a profile of a ZeRO-3 step shows the
-# time as FSDP::all_gather and post_backward_reduce self time), and every collective
-# pays its latency per unit (a block or the root), not once per model. The optimizer
-# step runs on FSDP2's DTensor shards, much slower per byte than on plain tensors. So
-# on a CPU the data-parallel and optimizer terms of a prediction are replaced by:
-#
-#   ZeRO-0   DDP: the grads all-reduced in buckets of parallel.comm.bucket_mb, all but the
-#            last hidden under the backward of the last micro-batch (gloo's thread)
-#   ZeRO-1   as 0, plus ZeroRedundancyOptimizer's broadcast of the updated parameters
-#            from their owners after the step, exposed (it issues one broadcast per
-#            parameter, all in flight together: counted as one per owner rank)
-#   ZeRO-2   per unit, one all-gather (the first forward) and one reduce-scatter (the
-#            last backward) per step, exposed
-#   ZeRO-3   per unit, an all-gather in every forward and every backward, one
-#            reduce-scatter per step, exposed
-#   all      the loss all-reduce of a logged step (report.json's step times are those
-#            of logged steps)
-#
-# with the measured bus bandwidth and latency of the group (collective_time), and the
-# optimizer step at the measured rate for plain tensors (DDP, ZeRO-1) or DTensor shards
-# (ZeRO-2/3).
-
-
-@dataclass(frozen=True)
-class HostCosts:
-    """What a CPU host measures beyond the MachineProfile (observe.machine)."""
-
-    optimizer_bytes_per_s: float  # AdamW + clipping on plain tensors, 32 B per parameter
-    sharded_optimizer_bytes_per_s: float  # the same on FSDP2 DTensor shards
-
-    @classmethod
-    def from_profile(cls, profile: MachineProfile) -> HostCosts:
-        bw = profile.memory_bandwidth_bytes_per_s
-        return cls(bw, bw)
-
+# -- the trainer on a host without streams (CPU, gloo): plan/timing.py -------------------
 
 ASSUMED_HOST_COSTS = HostCosts(3e9, 0.75e9)  # stated: a CPU AdamW on DTensors is ~4x slower
-
-
-def _gpt_units(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[float]:
-    """Parameters of each FSDP unit one rank holds: its stage's blocks, then the root."""
-    from meshforge.plan.flops import params_per_rank
-
-    rank = params_per_rank(shape, tp, pp)
-    return [rank.block] * (shape.n_layers // pp) + [rank.root]
-
-
-def host_step_time(
-    prediction: Prediction,
-    shape: GPTShape,
-    cluster: Cluster,
-    host: HostCosts,
-    bucket_mb: float = 25.0,
-    logged: bool = True,
-) -> dict[str, float]:
-    """Seconds per step of meshforge's trainer on a CPU host (see above), from a
-    planner prediction, whose compute, tensor-parallel, pipeline and bubble times it
-    keeps; the data-parallel and optimizer terms are the host's."""
-    from meshforge.plan.comm import collective_time
-    from meshforge.plan.timing import OPTIMIZER_BYTES_PER_PARAM
-
-    if prediction.time is None:
-        raise ConfigError("a host step time needs a GPT shape")
-    layout, training = prediction.layout, prediction.training
-    d, zero = layout.dp, layout.zero
-    m = training.microbatches(d)
-    units = _gpt_units(shape, layout.tp, layout.pp)
-    params = sum(units)
-    bw, lat = cluster.group_busbw(d, layout.dp_stride)
-
-    def t(kind: str, size: float) -> float:
-        return collective_time(kind, size, d, bw, lat)
-
-    compute = prediction.time.compute_s
-    fwd_share = 0.25 if training.recompute == "full" else 1.0 / 3.0
-    last_backward = compute / m * (1.0 - fwd_share)
-    comm = 0.0
-    if d > 1 and zero <= 1:
-        grads, cap = 4.0 * params, bucket_mb * 1024**2
-        n_full, rest = divmod(grads, cap)
-        buckets = [cap] * int(n_full) + ([rest] if rest else [])
-        total = sum(t("all_reduce", b) for b in buckets)
-        comm = max(0.0, total - last_backward) + t("all_reduce", buckets[-1])
-        if zero == 1:  # per-parameter broadcasts, all in flight: one per owner's share
-            comm += d * t("broadcast", 4.0 * params / d)
-    elif d > 1:
-        p_bytes = 2.0 if training.precision != "fp32" else 4.0
-        gathers = sum(t("all_gather", p_bytes * u) for u in units)
-        scatters = sum(t("reduce_scatter", 4.0 * u) for u in units)
-        comm = (gathers if zero == 2 else 2 * m * gathers) + scatters
-    logging = t("all_reduce", 4.0) if logged else 0.0
-    rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
-    updated = params / (d if zero >= 1 else 1)
-    optimizer = updated * OPTIMIZER_BYTES_PER_PARAM[training.optimizer] / rate
-    model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
-    bubble = prediction.time.bubble_s
-    step = compute + model_parallel + bubble + comm + logging + optimizer
-    return {
-        "compute_s": compute,
-        "tp_pp_comm_s": model_parallel,
-        "bubble_s": bubble,
-        "dp_comm_exposed_s": comm,
-        "logging_allreduce_s": logging,
-        "optimizer_s": optimizer,
-        "step_s": step,
-    }
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError
+from meshforge.plan.stages import RankStages, pipeline_ranks
 
 
 @dataclass(frozen=True)
@@ -102,21 +103,44 @@ def gpt_param_count(shape: GPTShape) -> ParamCount:
     return ParamCount(embedding + non_embedding, embedding, non_embedding)
 
 
-def training_flops_per_token(shape: GPTShape) -> float:
-    """6·Ψ_nonembedding + 6·l·s·h (REFERENCES.md, the PaLM/torchtitan MFU convention).
+FLOPS_CONVENTION = (
+    "6·N_matmul + 12·l·s·h per token (PaLM / torchtitan): every matmul incl. the output "
+    "head, full attention scores; recomputation not counted"
+)
+# A user's factory model has no shape meshforge knows: every parameter is taken as a
+# matmul weight, and the attention scores (if any) are not counted.
+FACTORY_FLOPS_CONVENTION = (
+    "6·Ψ per token (a user's model: every parameter taken as a matmul weight, attention "
+    "scores not counted); recomputation not counted"
+)
 
-    The 6·l·s·h term counts causal attention scores and their weighted sum
-    (forward + backward, half the s x s matrix)."""
-    params = gpt_param_count(shape)
-    return 6.0 * params.non_embedding + 6.0 * shape.n_layers * shape.seq_len * shape.d_model
+
+def training_flops_per_token(shape: GPTShape) -> float:
+    """Model FLOPs of training on one token: 6·N_matmul + 12·l·s·h (FLOPS_CONVENTION).
+
+    N_matmul = l·(weight-matrix parameters of a block) + V·h: every matmul, the output
+    head included whether it is tied or not (a tied head is still a matmul); the
+    embedding look-ups, biases and norms are not matmuls. For GQA the k and v
+    projections are h x (n_kv_heads·head_dim). 12·l·s·h is the attention scores QK^T
+    and their weighted sum AV over the full s x s matrix (2 matmuls x 2·s·h FLOPs per
+    token forward, x 3 with backward), with no halving for the causal mask.
+
+    This is PaLM's 6N + 12·L·H·Q·T (Chowdhery et al., arXiv 2204.02311, appendix B)
+    and torchtitan's `get_num_flop_per_token` (6·non-embedding params, head included,
+    + 12·l·h·q·t). It is also what `microbatch_flops(...).model` counts per token, so
+    `plan` and the run reports share one MFU: both are Megatron-LM's model FLOPs
+    (Korthikanti 72·B·l·s·h²·(1 + s/(6h) + V/(12·h·l)) for a GPT with r = 4)."""
+    n_matmul = shape.n_layers * shape.block_matrices() + shape.vocab_size * shape.d_model
+    return 6.0 * n_matmul + 12.0 * shape.n_layers * shape.seq_len * shape.d_model
 
 
 # -- Megatron-LM conventions (model and hardware FLOPs) ------------------------
 #
 # Megatron counts every matmul of a step, with the full s x s attention product
-# and the output logits, and reports "hardware" FLOPs that include recomputation.
-# The planner reports MFU and HFU in this convention so that its predictions can
-# be checked against the published Megatron tables.
+# and the output logits (the model FLOPs: FLOPS_CONVENTION above), and reports
+# "hardware" FLOPs that include recomputation. The planner reports MFU and HFU in
+# this convention so that its predictions can be checked against the published
+# Megatron tables and against meshforge's own run reports.
 
 
 def megatron_full_recompute_flops(
@@ -189,28 +213,44 @@ def microbatch_flops(shape: GPTShape, micro_batch: int) -> StepFlops:
 
 @dataclass(frozen=True)
 class RankParams:
-    """Parameters one rank holds under tensor and pipeline parallelism (busiest stage)."""
+    """Parameters one rank holds under tensor and pipeline parallelism."""
 
     total: float
     block: float  # one transformer block on this rank
     root: float  # embeddings / final norm / head on this rank (FSDP's root module)
 
 
-def params_per_rank(shape: GPTShape, tp: int = 1, pp: int = 1) -> RankParams:
+def params_per_rank(
+    shape: GPTShape,
+    tp: int = 1,
+    pp: int = 1,
+    virtual_stages: int = 1,
+    zbv: bool = False,
+    pp_rank: int | None = None,
+) -> RankParams:
     """Megatron-style split: weight matrices and column-parallel biases are divided by
     t; row-parallel biases and LayerNorms are replicated; the token embedding is
-    vocab-parallel, the position embedding replicated. With pp > 1 the first stage
-    holds the embeddings and the last stage a copy of the tied head (V·h/t)."""
+    vocab-parallel, the position embedding replicated. Pipeline rank `pp_rank` holds
+    its stages' blocks (`stages.pipeline_ranks`: uneven splits differ by one layer);
+    the rank with stage 0 also the embeddings, the rank with the last stage the final
+    norm and the head (V·h/t, a copy of the tied embedding when they are on different
+    ranks). `pp_rank=None`: the rank holding the most parameters."""
+    ranks = pipeline_ranks(shape.n_layers, pp, virtual_stages, zbv)
+    if pp_rank is None:
+        return max((rank_params(shape, tp, r) for r in ranks), key=lambda p: p.total)
+    return rank_params(shape, tp, ranks[pp_rank])
+
+
+def rank_params(shape: GPTShape, tp: int, stages: RankStages) -> RankParams:
+    """The parameters of the pipeline rank holding `stages` (see `params_per_rank`)."""
     h, t = shape.d_model, tp
     split, replicated = shape.block_vectors()
     block = (shape.block_matrices() + split) / t + replicated
-    blocks = shape.n_layers / pp * block
-    embeddings = shape.vocab_size * h / t + shape.position_params
-    if pp == 1:
-        root = embeddings + shape.final_norm_params
-        if not shape.tie_embeddings:  # the output head of its own
+    root = 0.0
+    if stages.embedding:
+        root += shape.vocab_size * h / t + shape.position_params
+    if stages.head:
+        root += shape.final_norm_params
+        if not (shape.tie_embeddings and stages.embedding):  # the head is a matrix of its own
             root += shape.vocab_size * h / t
-        return RankParams(blocks + root, block, root)
-    first, last = embeddings, shape.vocab_size * h / t + shape.final_norm_params
-    root = max(first, last)
-    return RankParams(blocks + root, block, root)
+    return RankParams(stages.layers * block + root, block, root)

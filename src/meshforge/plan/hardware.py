@@ -1,5 +1,6 @@
-"""What the planner knows about hardware: a GPU catalogue, link presets, and the
-cluster they make up. Pure data; figures from vendor datasheets (REFERENCES.md).
+"""What the planner knows about hardware: the GPU catalogue, link presets, and the
+cluster they make up. Pure data; every GPU figure comes from the one table in
+`plan/gpus.py` (vendor datasheets), which the trainer's MFU reads too.
 
 Achievable bandwidths are lower than the nominal ones: each link preset carries the
 bus bandwidth (nccl-tests convention) that an all-reduce typically reaches on it.
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshforge.errors import ConfigError
-from meshforge.plan.efficiency import A100_CURVE, ComputeCurve
+from meshforge.plan.efficiency import ComputeCurve, curve_for
+from meshforge.plan.gpus import ALIASES, GPUS, Gpu, gpu_key
 
 GIB = 1024**3
 GB = 1e9
@@ -21,11 +23,12 @@ class DeviceSpec:
     """One accelerator (or one CPU rank, from a measured profile)."""
 
     name: str
-    peak_flops_per_s: dict[str, float]  # dense matmul peak by precision: fp32, bf16, fp16
+    peak_flops_per_s: dict[str, float]  # dense matmul peak by precision: bf16, fp16, tf32, fp32
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
     curve: ComputeCurve  # achievable fraction of peak for a given matmul size
     reserved_bytes: float  # CUDA context, NCCL and cuBLAS workspaces: never available
+    calibration: str  # what `curve` was fitted on: a GPU generation, or "measured"
 
     def peak(self, precision: str) -> float:
         try:
@@ -34,37 +37,30 @@ class DeviceSpec:
             raise ConfigError(f"device {self.name} has no peak for precision={precision}") from None
 
 
-def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, mem_gb: float, bw_tbs: float):
+def _device(gpu: Gpu) -> DeviceSpec:
+    curve, calibration = curve_for(gpu.key)
     return DeviceSpec(
-        name=name,
-        peak_flops_per_s={"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12,
-                          "fp32": fp32_tflops * 1e12},
-        memory_bytes=mem_gb * GB,
-        memory_bandwidth_bytes_per_s=bw_tbs * 1e12,
-        curve=A100_CURVE,
+        name=gpu.key,
+        peak_flops_per_s=gpu.peak_flops_per_s(),
+        memory_bytes=gpu.memory_gb * GB,
+        memory_bandwidth_bytes_per_s=gpu.memory_bandwidth_tbs * 1e12,
+        curve=curve,
         reserved_bytes=1.0 * GIB,
-    )  # fmt: skip
-
-
-# Vendor datasheets, dense (no sparsity). fp32 is plain FP32, not TF32: meshforge
-# does not turn TF32 on. The achievable-fraction curve is the one calibrated on
-# A100 (efficiency.py); it is applied to every GPU, which the docs say out loud.
-GPU_CATALOGUE: dict[str, DeviceSpec] = {
-    spec.name: spec
-    for spec in (
-        _gpu("a100-40gb", 312, 19.5, 40, 1.6),
-        _gpu("a100-80gb", 312, 19.5, 80, 2.0),
-        _gpu("h100", 989, 67, 80, 3.35),
-        _gpu("h200", 989, 67, 141, 4.8),
+        calibration=calibration,
     )
-}
-GPU_ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+
+# Every GPU of the table, by key. The planner plans in "fp32" as plain FP32 (its
+# peak is the CUDA-core figure): meshforge does not turn TF32 on. The achievable-
+# fraction curve is efficiency.curve_for's, named in DeviceSpec.calibration.
+GPU_CATALOGUE: dict[str, DeviceSpec] = {gpu.key: _device(gpu) for gpu in GPUS}
+GPU_ALIASES = ALIASES
 
 
 def gpu_spec(name: str) -> DeviceSpec:
-    key = GPU_ALIASES.get(name.lower(), name.lower())
-    if key not in GPU_CATALOGUE:
-        known = ", ".join(sorted(GPU_CATALOGUE))
+    key = gpu_key(name)
+    if key is None:
+        known = ", ".join(GPU_CATALOGUE)
         raise ConfigError(f"--gpu {name!r} is not in the catalogue ({known})")
     return GPU_CATALOGUE[key]
 
@@ -86,13 +82,18 @@ class LinkSpec:
 # Nominal rates from REFERENCES.md. Achievable fractions are the usual nccl-tests
 # figures: ~230 GB/s all-reduce busbw on DGX A100 NVLink 3 (300 GB/s each way),
 # ~360 GB/s on H100 NVLink 4 without NVLS (450 GB/s each way), ~92% of line rate on
-# InfiniBand, ~88% on RoCE, ~90% of TCP line rate on Ethernet.
+# InfiniBand, ~88% on RoCE, ~90% of TCP line rate on Ethernet. NVLink 2 (V100, 300
+# GB/s per GPU) and PCIe 3/5 x16 (16/64 GB/s each way) take the fraction of their
+# neighbour generation (NVLink 3's, PCIe 4's): scaled, not measured.
 LINK_PRESETS: dict[str, LinkSpec] = {
     link.name: link
     for link in (
+        LinkSpec("nvlink2", 300 * GB, 115 * GB, 2e-6),
         LinkSpec("nvlink3", 600 * GB, 230 * GB, 2e-6),
         LinkSpec("nvlink4", 900 * GB, 360 * GB, 2e-6),
+        LinkSpec("pcie3", 16 * GB, 11 * GB, 3e-6),
         LinkSpec("pcie4", 32 * GB, 22 * GB, 3e-6),
+        LinkSpec("pcie5", 64 * GB, 44 * GB, 3e-6),
         LinkSpec("ib-hdr", 25 * GB, 23 * GB, 5e-6),
         LinkSpec("ib-ndr", 50 * GB, 46 * GB, 5e-6),
         LinkSpec("roce-100", 12.5 * GB, 11 * GB, 8e-6),
@@ -100,8 +101,7 @@ LINK_PRESETS: dict[str, LinkSpec] = {
         LinkSpec("eth-10", 1.25 * GB, 1.12 * GB, 50e-6),
     )
 }
-DEFAULT_INTRA_LINK = {"a100-40gb": "nvlink3", "a100-80gb": "nvlink3", "h100": "nvlink4",
-                      "h200": "nvlink4"}  # fmt: skip
+DEFAULT_INTRA_LINK = {gpu.key: gpu.intra_link for gpu in GPUS}
 
 
 def link_spec(name: str, flag: str = "--network") -> LinkSpec:

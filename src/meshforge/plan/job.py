@@ -1,24 +1,29 @@
-"""A job config's prediction (pure: no torch): what `report.json`'s `predicted` says.
+"""A job config seen by the planner (pure: no torch, no I/O).
 
-`predict_for_job` maps a job config onto `plan.predict.predict_run`; on a CPU host
-with the trainer's own semantics for data-parallel traffic (`plan.auto.host_step_time`).
-The profile is usually the one the run measured of its own machine
-(`observe.machine.measure_profile`).
+`predict_for_job` is what `report.json`'s `predicted` says: a job config mapped onto
+`plan.predict.predict_run`; on a CPU host with the trainer's own semantics for
+data-parallel traffic (`plan.auto.host_step_time`). The profile is usually the one
+the run measured of its own machine (`observe.machine.measure_profile`).
+
+`plan_for_job` is what `meshforge plan --config` plans: the job's model, its training
+and the layout fields it gives; the fields it leaves out (or sets to `auto`) are
+searched, among the layouts the trainer accepts for this job.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from meshforge.config import JobConfig
+from meshforge.config import JobConfig, ParallelConfig, check_comm
 from meshforge.errors import ConfigError
 from meshforge.plan.auto import HostCosts, host_step_time
-from meshforge.plan.flops import params_per_rank, shape_of
-from meshforge.plan.layout import Layout
+from meshforge.plan.flops import GPTShape, params_per_rank, shape_of
+from meshforge.plan.layout import Layout, Training
 from meshforge.plan.memory import model_state_bytes
-from meshforge.plan.predict import predict_run
+from meshforge.plan.predict import Prediction, predict_run
 from meshforge.plan.profile import MachineProfile
+from meshforge.plan.search import LayoutChoice
 
 
 def _collective_only(cfg: JobConfig) -> None:
@@ -101,3 +106,166 @@ def predict_for_job(
         "profile": profile.to_dict(),
         "host": None if host is None else asdict(host),
     }
+
+
+# -- what `meshforge plan --config` plans ----------------------------------------------------
+
+# The job's fields behind each layout field of the planner (LayoutChoice).
+JOB_FIELDS = {
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "zero": "parallel.zero",
+    "micro_batch": "train.micro_batch",
+    "virtual_stages": "parallel.virtual_stages",
+    "recompute": "train.activation_checkpointing",
+    "sequence_parallel": "parallel.sequence_parallel",
+}
+# Pipeline schedules the planner's time and memory models describe (a v > 1 layout is
+# interleaved 1F1B); GPipe keeps every micro-batch's activations, ZB-V splits backward.
+_MODELLED_SCHEDULES = ("1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job as the planner sees it: its model shape, its training, and the layout
+    fields it gives (None in `choice`: searched)."""
+
+    cfg: JobConfig
+    shape: GPTShape
+    training: Training
+    choice: LayoutChoice
+
+    @property
+    def world_size(self) -> int | None:
+        """dp x tp x pp when the job (or a flag) gives all three."""
+        c = self.choice
+        return None if None in (c.dp, c.tp, c.pp) else c.dp * c.tp * c.pp  # type: ignore[operator]
+
+    def layout_fields(self) -> dict[str, str]:
+        return layout_fields(self.choice)
+
+    def refusal(self, prediction: Prediction) -> str | None:
+        """Why `meshforge train` would refuse this job with the prediction's layout
+        written in (parallel/dims.py's rules, parallel.comm's), or None if it runs it."""
+        lay, train = prediction.layout, prediction.training
+        if self.choice.recompute is None and train.recompute == "selective":
+            # the planner's selective (Korthikanti's) is not the trainer's (every other
+            # block recomputed in full): a search offers only what the trainer does
+            return "the trainer's activation checkpointing is none, full or every other block"
+        if self.cfg.parallel == "auto" and (lay.virtual_stages > 1 or lay.sequence_parallel):
+            return "parallel: auto chooses 1F1B without sequence parallelism"  # plan/auto.py
+        try:
+            self._check(lay, train.micro_batch)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    def check_given(self, n_gpus: int) -> None:
+        """The trainer's own checks of the layout the job gives, before any search, so
+        that a job it would refuse is refused naming the job's fields. Only when the
+        given fields fix dp, tp, pp and the micro-batch; otherwise the search decides."""
+        c, p = self.choice, self.cfg.parallel
+        if c.tp is None or c.pp is None or c.micro_batch is None or p == "auto":
+            return
+        if n_gpus % (c.tp * c.pp) or c.dp not in (None, n_gpus // (c.tp * c.pp)):
+            return  # the search names the broken degree
+        if c.virtual_stages is None and p.pp_schedule == "interleaved_1f1b":
+            return
+        dp = n_gpus // (c.tp * c.pp)
+        v, sp = c.virtual_stages or 1, bool(c.sequence_parallel)
+        layout = Layout(dp=dp, tp=c.tp, pp=c.pp, zero=c.zero or 0, virtual_stages=v,
+                        sequence_parallel=sp)  # fmt: skip
+        self._check(layout, c.micro_batch, comm=c.zero is not None)  # comm depends on zero
+
+    def _check(self, lay: Layout, micro_batch: int, comm: bool = True) -> None:
+        """`meshforge train`'s checks of this job with `lay` and `micro_batch` written in
+        (with `comm`, also parallel.comm's settings against the layout)."""
+        from meshforge.parallel.dims import ParallelDims
+
+        p = ParallelConfig() if self.cfg.parallel == "auto" else self.cfg.parallel
+        schedule = "interleaved_1f1b" if lay.virtual_stages > 1 else p.pp_schedule
+        if lay.pp > 1 and schedule not in _MODELLED_SCHEDULES:
+            raise ConfigError(f"the planner does not model parallel.pp_schedule={schedule}")
+        parallel = p.model_copy(
+            update={"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+                    "sequence_parallel": lay.sequence_parallel, "pp_schedule": schedule,
+                    "virtual_stages": lay.virtual_stages}
+        )  # fmt: skip
+        train = self.cfg.train.model_copy(update={"micro_batch": micro_batch})
+        cfg = self.cfg.model_copy(update={"parallel": parallel, "train": train})
+        try:
+            if comm:
+                check_comm(parallel)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        ParallelDims.from_config(cfg, lay.world_size)
+
+
+def layout_fields(choice: LayoutChoice, searched: str = "searched") -> dict[str, str]:
+    """{"dp": "given" | "searched", ...}: which layout fields the user fixed."""
+    return {
+        f.name: "given" if getattr(choice, f.name) is not None else searched for f in fields(choice)
+    }
+
+
+def job_choice(cfg: JobConfig) -> LayoutChoice:
+    """The layout fields a job gives. A field the job file (or `--set`) names is given;
+    one it leaves out, `dp: auto`, or every field under `parallel: auto` is searched.
+    `train.micro_batch` is searched when the job leaves it out or says `parallel: auto`
+    (which chooses it at launch); `train.activation_checkpointing` when it is left out."""
+    t = cfg.train
+    named_train = t.model_fields_set
+    recompute = t.activation_checkpointing if "activation_checkpointing" in named_train else None
+    if cfg.parallel == "auto":
+        return LayoutChoice(recompute=recompute)
+    p: ParallelConfig = cfg.parallel
+    named = p.model_fields_set
+
+    def given(name: str) -> Any:
+        return getattr(p, name) if name in named else None
+
+    if p.pp > 1 and p.pp_schedule not in _MODELLED_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule}: the planner models the 1f1b and "
+            "interleaved_1f1b schedules only"
+        )
+    virtual = given("virtual_stages")
+    if virtual is None and "pp_schedule" in named and p.pp_schedule != "interleaved_1f1b":
+        virtual = 1  # a schedule without interleaving, named
+    if given("pp") == 1:  # no pipeline: chunks per stage do not apply
+        virtual = None if virtual is None else 1
+    return LayoutChoice(
+        dp=None if p.dp == "auto" else p.dp,
+        tp=given("tp"),
+        pp=given("pp"),
+        zero=given("zero"),
+        micro_batch=t.micro_batch if "micro_batch" in named_train else None,
+        virtual_stages=virtual,
+        recompute=recompute,
+        sequence_parallel=given("sequence_parallel"),
+    )
+
+
+def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPlan:
+    """What `meshforge plan --config` plans for `cfg`: its shape (a preset resolved by
+    the config), global batch, precision and activation checkpointing; the trainer's
+    AdamW and SDPA attention; the layout fields the job gives, each overridden by the
+    same field in `flags` (the command line's --dp, --tp, ...). ConfigError for what the
+    planner cannot model: a user's factory model, parameter-server mode, a GPipe or
+    ZB-V pipeline."""
+    _collective_only(cfg)
+    shape = shape_of(cfg)
+    choice = job_choice(cfg)
+    overrides = {f.name: getattr(flags, f.name) for f in fields(flags)}
+    choice = replace(choice, **{k: v for k, v in overrides.items() if v is not None})
+    t = cfg.train
+    training = Training(
+        global_batch=t.global_batch,
+        micro_batch=choice.micro_batch or t.micro_batch,
+        precision=cfg.precision.dtype,
+        recompute=choice.recompute or "none",
+        optimizer="adamw",  # train/optim.py: the trainer's only optimizer
+        sdpa=True,  # models/: attention through scaled_dot_product_attention
+    )
+    return JobPlan(cfg, shape, training, choice)

@@ -118,11 +118,11 @@ def check_layout(layout: Layout, training: Training, shape: GPTShape | None) -> 
         raise ConfigError(f"--tp {layout.tp} does not divide --heads {shape.n_heads}")
     if shape.d_model % shape.n_heads:
         raise ConfigError(f"--heads {shape.n_heads} does not divide --hidden {shape.d_model}")
-    chunks = layout.pp * layout.virtual_stages
-    if shape.n_layers % chunks:
+    stages = layout.pp * layout.virtual_stages
+    if stages > shape.n_layers:  # uneven stages are fine (stages.layer_split), empty ones not
         raise ConfigError(
-            f"pp={layout.pp} x virtual-stages={layout.virtual_stages} does not divide "
-            f"--layers {shape.n_layers}"
+            f"--pp {layout.pp} x --virtual-stages {layout.virtual_stages} = {stages} pipeline "
+            f"stages is more than --layers {shape.n_layers}"
         )
     if layout.sequence_parallel and shape.seq_len % layout.tp:
         raise ConfigError(f"--sequence-parallel needs --tp {layout.tp} to divide --seq")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from meshforge.errors import ConfigError
 from meshforge.plan.flops import GPTShape
+from meshforge.plan.stages import RankStages, pipeline_ranks
 
 CONVENTIONS = ("meshforge", "zero-paper")
 FRAGMENTATION_MARGIN = 0.10  # caching-allocator fragmentation, as a share of allocated bytes
@@ -171,21 +172,36 @@ def activation_bytes_per_layer(
     return sbh * (10 + sharded / t + scores / t)
 
 
-def layers_in_flight(n_layers: int, pp: int, virtual_stages: int, schedule: str, m: int) -> float:
-    """Layer-micro-batches of activations the first pipeline stage holds at peak.
+def layers_in_flight(
+    n_layers: int, pp: int, virtual_stages: int, schedule: str, m: int, pp_rank: int = 0
+) -> float:
+    """Layer-micro-batches of activations pipeline rank `pp_rank` holds at peak, with
+    its real share of the layers (stages.pipeline_ranks: L_r, uneven splits differ by
+    one layer per stage). See `_rank_layers_in_flight`."""
+    ranks = pipeline_ranks(n_layers, pp, virtual_stages if schedule != "gpipe" else 1)
+    return _rank_layers_in_flight(ranks[pp_rank], pp, virtual_stages, schedule, m)
 
-    No pipeline: one micro-batch of all layers (accumulation runs them in turn).
-    1F1B: p micro-batches of L/p layers = L; interleaved: L·(1 + (p-1)/(p·v))
-    (Korthikanti §4.2.3). GPipe: all m micro-batches of L/p layers."""
+
+def _rank_layers_in_flight(
+    stages: RankStages, pp: int, virtual_stages: int, schedule: str, m: int
+) -> float:
+    """No pipeline: one micro-batch of all layers (accumulation runs them in turn).
+    GPipe: all m micro-batches of the rank's L_r layers. 1F1B: rank r runs min(p-r, m)
+    forwards before its first backward, so rank 0 holds p micro-batches of L/p = L
+    layers on an even split. Interleaved 1F1B: rank r runs min(2(p-r-1) + (v-1)·p + 1,
+    m·v) chunk forwards before its first backward (Megatron-LM's warm-up), each of
+    L_r/v layers on average; rank 0 on an even split holds L·(1 + (p-1)/(p·v))
+    (Korthikanti §4.2.3)."""
+    layers, r = stages.layers, stages.pp_rank
     if pp == 1:
-        return float(n_layers)
-    per_stage = n_layers / pp
+        return float(layers)
     if schedule == "gpipe":
-        return per_stage * m
-    in_flight = min(pp, m) * per_stage
+        return float(layers * m)
     if virtual_stages > 1:
-        in_flight *= 1.0 + (pp - 1) / (pp * virtual_stages)
-    return in_flight
+        v = virtual_stages
+        chunks = min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v)
+        return chunks * layers / v
+    return float(min(pp - r, m) * layers)
 
 
 def logits_bytes(seq: int, micro_batch: int, vocab: int, tp: int, precision: str) -> float:
@@ -205,11 +221,39 @@ def activation_memory_bytes(
     sdpa: bool,
     microbatches: int,
     schedule: str = "1f1b",
+    pp_rank: int | None = None,
 ) -> float:
-    """Peak activation bytes on the busiest pipeline stage.
+    """Peak activation bytes on pipeline rank `pp_rank`; None: the rank holding the
+    most (on an even split the first, or the last when its logits outweigh the first
+    stage's extra micro-batches; on an uneven one it can be an interior rank, which
+    holds one layer more). See `rank_activation_bytes`."""
+    ranks = pipeline_ranks(shape.n_layers, pp, virtual_stages if schedule != "gpipe" else 1)
+    args = (micro_batch, tp, pp, virtual_stages, sequence_parallel, recompute, precision, sdpa,
+            microbatches, schedule)  # fmt: skip
+    if pp_rank is not None:
+        return rank_activation_bytes(shape, ranks[pp_rank], *args)
+    return max(rank_activation_bytes(shape, stages, *args) for stages in ranks)
+
+
+def rank_activation_bytes(
+    shape: GPTShape,
+    stages: RankStages,
+    micro_batch: int,
+    tp: int,
+    pp: int,
+    virtual_stages: int,
+    sequence_parallel: bool,
+    recompute: str,
+    precision: str,
+    sdpa: bool,
+    microbatches: int,
+    schedule: str = "1f1b",
+) -> float:
+    """Peak activation bytes on the pipeline rank holding `stages`.
 
     Korthikanti's byte counts assume 16-bit activations; fp32 doubles them. With full
-    recomputation one layer's complete activations also live during its backward."""
+    recomputation one layer's complete activations also live during its backward. The
+    rank with the last stage adds the logits."""
     scale = dtype_bytes(precision) / 2
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa,
               mlp_ratio=shape.mlp_width / shape.d_model)  # fmt: skip
@@ -218,9 +262,6 @@ def activation_memory_bytes(
     live_layer = 0.0
     if recompute == "full":
         live_layer = activation_bytes_per_layer(s, b, h, a, recompute="none", **kw)
-    first = layers_in_flight(shape.n_layers, pp, virtual_stages, schedule, microbatches)
-    first_bytes = scale * first * per_layer
-    last_bytes = scale * (shape.n_layers / pp) * per_layer
-    logits = logits_bytes(s, b, shape.vocab_size, tp, precision)
-    busiest = max(first_bytes, last_bytes + logits) if pp > 1 else first_bytes + logits
-    return busiest + scale * live_layer
+    layers = _rank_layers_in_flight(stages, pp, virtual_stages, schedule, microbatches)
+    logits = logits_bytes(s, b, shape.vocab_size, tp, precision) if stages.head else 0.0
+    return scale * (layers * per_layer + live_layer) + logits

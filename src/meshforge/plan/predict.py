@@ -5,8 +5,9 @@ the trainer's entry: the same model, for its own run on a measured machine.
 
 MFU and HFU use Megatron-LM's FLOP counting (all matmuls, full s x s attention,
 logits; HFU adds recomputation), so they compare with the published Megatron and
-Korthikanti tables. meshforge's run reports use the 6·Ψ + 6·l·s·h convention
-(`flops.training_flops_per_token`), which reads a few percent lower.
+Korthikanti tables. meshforge's run reports count the same model FLOPs
+(`flops.training_flops_per_token`, `flops.FLOPS_CONVENTION`: 6·N_matmul + 12·l·s·h
+per token), so a plan's MFU and a report's compare directly.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape, gpt_param_count, microbatch_flops, params_per_rank
+from meshforge.plan.flops import GPTShape, gpt_param_count, microbatch_flops, rank_params
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import Layout, Training, check_layout
 from meshforge.plan.memory import (
     FRAGMENTATION_MARGIN,
-    activation_memory_bytes,
     comm_buffer_bytes,
     model_state_bytes,
+    rank_activation_bytes,
     working_bytes,
 )
 from meshforge.plan.profile import MachineProfile
+from meshforge.plan.stages import RankStages, pipeline_ranks
 from meshforge.plan.timing import StepTime, step_time
 
 Model = GPTShape | float  # a GPT shape, or a bare parameter count (model-state maths only)
@@ -87,6 +89,9 @@ class Prediction:
     model_flops_per_step: float | None
     hardware_flops_per_step: float | None
     peak_flops_per_s: float
+    memory_pp_rank: int = 0  # the pipeline rank whose memory `memory` is (the most)
+    pipeline_stages: tuple[int, ...] | None = None  # layers per pipeline rank (pp > 1)
+    calibration: str | None = None  # what the device's compute curve was fitted on
 
     @property
     def fits(self) -> bool:
@@ -144,6 +149,8 @@ class Prediction:
             "bubble_fraction": self.bubble_fraction,
             "exposed_comm_fraction": None if time is None else time.exposed_comm_s / time.step_s,
             "memory_per_gpu_bytes": self.memory.to_dict(),
+            "memory_pp_rank": self.memory_pp_rank,
+            "pipeline_stages": list(self.pipeline_stages) if self.pipeline_stages else None,
             "memory_convention": self.memory.convention,
             "time_breakdown_s": None if time is None else time.to_dict(),
             "training": {
@@ -154,6 +161,7 @@ class Prediction:
             },
             "model_params": self.model_params,
             "n_gpus": self.n_gpus,
+            "calibration": self.calibration,
         }
 
 
@@ -172,38 +180,95 @@ def evaluate(
             f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} "
             f"does not equal --gpus {cluster.n_gpus}"
         )
-    precision, zero = training.precision, layout.zero
+    precision = training.precision
+    peak = cluster.device.peak(precision)
     if shape is None:
         total_params = float(model)  # type: ignore[arg-type]
         if total_params <= 0:
             raise ConfigError(f"--params must be > 0, got {total_params}")
-        rank_params, block, root = total_params / (layout.tp * layout.pp), 0.0, 0.0
-    else:
-        total_params = float(gpt_param_count(shape).total)
-        rank = params_per_rank(shape, layout.tp, layout.pp)
-        rank_params, block, root = rank.total, rank.block, rank.root
+        rank_params = total_params / (layout.tp * layout.pp)
+        memory = _rank_memory(rank_params, 0.0, 0.0, None, layout, training, cluster, convention)
+        return Prediction(
+            layout, training, memory, None, cluster.n_gpus, None, total_params, None, None, peak,
+            calibration=cluster.device.calibration,
+        )  # fmt: skip
+    total_params = float(gpt_param_count(shape).total)
+    stages = pipeline_ranks(shape.n_layers, layout.pp, layout.virtual_stages)
+    # With uneven stages any rank can hold the most. Among ranks holding the same share
+    # the first does (later ones keep fewer micro-batches in flight), so one of each.
+    distinct = {(r.layers, r.embedding, r.head): r for r in reversed(stages)}.values()
+    per_rank = {r.pp_rank: _stage_memory(shape, layout, training, cluster, convention, r)
+                for r in distinct}  # fmt: skip
+    memory_rank = max(per_rank, key=lambda r: (per_rank[r].total, -r))
+    flops = microbatch_flops(shape, training.micro_batch)
+    n_micro = training.global_batch / training.micro_batch  # micro-batches in the whole job
+    return Prediction(
+        layout=layout,
+        training=training,
+        memory=per_rank[memory_rank],
+        time=step_time(shape, layout, training, cluster),
+        n_gpus=cluster.n_gpus,
+        seq_len=shape.seq_len,
+        model_params=total_params,
+        model_flops_per_step=n_micro * flops.model(shape.n_layers),
+        hardware_flops_per_step=n_micro * flops.hardware(shape.n_layers, training.recompute),
+        peak_flops_per_s=peak,
+        calibration=cluster.device.calibration,
+        memory_pp_rank=memory_rank,
+        pipeline_stages=tuple(r.layers for r in stages) if layout.pp > 1 else None,
+    )
+
+
+def _stage_memory(
+    shape: GPTShape,
+    layout: Layout,
+    training: Training,
+    cluster: Cluster,
+    convention: str,
+    stages: RankStages,
+) -> MemoryEstimate:
+    """The memory of the pipeline rank holding `stages` (the whole model without pp)."""
+    rank = rank_params(shape, layout.tp, stages)
+    activations = rank_activation_bytes(
+        shape,
+        stages,
+        training.micro_batch,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        layout.sequence_parallel,
+        training.recompute,
+        training.precision,
+        training.sdpa,
+        training.microbatches(layout.dp),
+    )
+    return _rank_memory(
+        rank.total, rank.block, rank.root, activations, layout, training, cluster, convention
+    )
+
+
+def _rank_memory(
+    rank_params: float,
+    block: float,
+    root: float,
+    activations: float | None,
+    layout: Layout,
+    training: Training,
+    cluster: Cluster,
+    convention: str,
+) -> MemoryEstimate:
+    """The memory of one rank that holds `rank_params` parameters (after tensor and
+    pipeline sharding) and keeps `activations` bytes for its backward (None: unknown,
+    with a bare parameter count)."""
+    precision, zero = training.precision, layout.zero
+    microbatches = training.microbatches(layout.dp) if activations is not None else 1
     states = model_state_bytes(
         rank_params, zero, layout.dp, precision, convention, training.optimizer
     )
     buffers = comm_buffer_bytes(rank_params, zero, convention)
-    m = training.microbatches(layout.dp) if shape is not None else 1
-    working = working_bytes(rank_params, zero, precision, block, root, m)
-    activations = None
-    if shape is not None:
-        activations = activation_memory_bytes(
-            shape,
-            training.micro_batch,
-            layout.tp,
-            layout.pp,
-            layout.virtual_stages,
-            layout.sequence_parallel,
-            training.recompute,
-            precision,
-            training.sdpa,
-            training.microbatches(layout.dp),
-        )
+    working = working_bytes(rank_params, zero, precision, block, root, microbatches)
     allocated = states["total"] + buffers + working + (activations or 0.0)
-    memory = MemoryEstimate(
+    return MemoryEstimate(
         params=states["params"],
         grads=states["grads"],
         optimizer=states["optimizer"],
@@ -214,25 +279,6 @@ def evaluate(
         reserved=cluster.device.reserved_bytes,
         device=cluster.device.memory_bytes,
         convention=convention,
-    )
-    peak = cluster.device.peak(precision)
-    if shape is None:
-        return Prediction(
-            layout, training, memory, None, cluster.n_gpus, None, total_params, None, None, peak
-        )
-    flops = microbatch_flops(shape, training.micro_batch)
-    n_micro = training.global_batch / training.micro_batch  # micro-batches in the whole job
-    return Prediction(
-        layout=layout,
-        training=training,
-        memory=memory,
-        time=step_time(shape, layout, training, cluster),
-        n_gpus=cluster.n_gpus,
-        seq_len=shape.seq_len,
-        model_params=total_params,
-        model_flops_per_step=n_micro * flops.model(shape.n_layers),
-        hardware_flops_per_step=n_micro * flops.hardware(shape.n_layers, training.recompute),
-        peak_flops_per_s=peak,
     )
 
 

@@ -69,6 +69,7 @@ class MachineProfile:
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s,
             curve=ComputeCurve(f_max=1.0, t0_s=self.matmul_overhead_s),
             reserved_bytes=0.0,
+            calibration="measured",
         )
         bw, lat = self.allreduce_busbw_bytes_per_s, self.allreduce_latency_s
         link = LinkSpec("loopback", bw, bw, lat)

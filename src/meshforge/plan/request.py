@@ -3,6 +3,8 @@ plan` and `meshforge cost`, so that both commands stay thin)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,19 +117,48 @@ def plan(
     choice: LayoutChoice,
     convention: str = "meshforge",
     top: int | None = None,
+    refusal: Callable[[Prediction], str | None] | None = None,
 ) -> tuple[list[Prediction], bool]:
     """(predictions, is_search). A fully or partly given layout gives one prediction
     (left-out fields searched, the best kept); no layout fields, or `top`, gives the
-    best `top` (default 5) fitting candidates."""
+    best `top` (default 5) fitting candidates. `refusal` (a job's: `JobPlan.refusal`)
+    says why the trainer would not run a layout; such layouts are left out."""
     if top is not None and top < 1:
         raise ConfigError(f"--top must be >= 1, got {top}")
-    if choice.is_empty() or top is not None:
-        result = search_layouts(model, training, cluster, choice, convention)
-        return result.candidates[: top or 5], True
-    return [best_layout(model, training, cluster, choice, convention)], False
-
-
-def plan_json(predictions: list[Prediction], is_search: bool) -> dict[str, Any]:
+    is_search = choice.is_empty() or top is not None
+    if refusal is None:
+        if is_search:
+            result = search_layouts(model, training, cluster, choice, convention)
+            return result.candidates[: top or 5], True
+        return [best_layout(model, training, cluster, choice, convention)], False
+    result = search_layouts(model, training, cluster, choice, convention)
+    runnable = (p for p in result.candidates if refusal(p) is None)  # best first, lazily
     if is_search:
-        return {"candidates": [p.to_dict() for p in predictions]}
-    return predictions[0].to_dict()
+        found = list(itertools.islice(runnable, top or 5))
+        if not found and result.candidates:
+            raise ConfigError(
+                f"no layout of {cluster.n_gpus} GPUs that fits can be trained: "
+                f"{refusal(result.candidates[0])}"
+            )
+        return found, True
+    best = next(runnable, None)
+    if best is None:  # none fits: as best_layout, the runnable one needing least memory
+        by_memory = sorted(result.evaluated, key=lambda p: p.memory.total)
+        best = next((p for p in by_memory if refusal(p) is None), None)
+        if best is None:
+            raise ConfigError(
+                f"no layout of {cluster.n_gpus} GPUs with the given fields can be trained: "
+                f"{refusal(by_memory[0])}"
+            )
+    return [best], False
+
+
+def plan_json(
+    predictions: list[Prediction], is_search: bool, fields: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The object `meshforge plan --json` prints; `fields` (which layout fields were
+    given and which searched) goes beside each prediction as "layout_fields"."""
+    extra = {} if fields is None else {"layout_fields": fields}
+    if is_search:
+        return {"candidates": [{**p.to_dict(), **extra} for p in predictions]}
+    return {**predictions[0].to_dict(), **extra}

@@ -12,6 +12,7 @@ r+pp, r+2pp, ...; ZB-V: stages r and 2pp-1-r).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 
 def layer_split(n_layers: int, n_stages: int) -> list[range]:
@@ -25,7 +26,7 @@ def layer_split(n_layers: int, n_stages: int) -> list[range]:
     order = list(range(1, n_stages - 1)) + [0, n_stages - 1]
     for s in order[: n_layers % n_stages]:
         sizes[s] += 1
-    bounds = [sum(sizes[:i]) for i in range(n_stages + 1)]
+    bounds = [0, *accumulate(sizes)]
     return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 

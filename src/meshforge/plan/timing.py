@@ -1,45 +1,62 @@
 """The step-time model: compute, tensor-parallel and pipeline communication, the
 pipeline bubble, data-parallel/ZeRO traffic with overlap, and the optimizer step.
 
-Per micro-batch on the slowest pipeline stage (the last: it also computes the
-logits):
+Per micro-batch, on each pipeline rank (its layers, plus the embedding on the first
+and the final norm, logits and loss on the last; plan/stages.py splits the layers):
 
-    t_mb = compute + TP all-reduces + pipeline sends       (serialised, as in Megatron)
+    t_rank = its layers' compute + their TP collectives + pipeline sends
 
-and per step, with m = B/(b·N_d) micro-batches, p stages, v chunks per stage:
+and the slowest rank sets the pace (t_mb = max over ranks). Per step, with m = B/(b·N_d)
+micro-batches, p stages and v chunks per stage:
 
-    step = m·t_mb + bubble + exposed DP/ZeRO traffic + optimizer step,
+    step   = m·t_mb + bubble + exposed DP/ZeRO traffic + optimizer step
     bubble = (p-1)/v · t_mb          (so bubble/ideal = (p-1)/(m·v), REFERENCES.md)
 
-Data-parallel traffic follows meshforge's implementation (parallel/data_parallel.py;
-fp32 gradient reduction; gradient sync switched off on all but the last micro-batch):
-  ZeRO-0  DDP all-reduce of the grads once per step, hidden under the backward of
-          the last micro-batch; the last bucket is exposed.
-  ZeRO-1  the same, plus ZeroRedundancyOptimizer's broadcast of the updated params
-          after the step (exposed): 3Ψ in all, 1.5x DDP.
-  ZeRO-2  FSDP2 with reshard_after_forward=False and no resharding between
-          micro-batches: one all-gather of the params (param dtype) per step, under
-          the first forward, and one reduce-scatter of the grads under the last
-          backward.
-  ZeRO-3  params all-gathered in every forward and again in every backward; one
-          reduce-scatter per step, under the last backward (3Ψ per step at m = 1).
-  FSDP's first all-gather and last reduce-scatter (one block each) cannot hide
-  under compute.
+Compute is plan/work.py (matmuls through the device's curve, memory-bound kernels from
+their bytes). Data-parallel traffic is plan/dp_traffic.py, shared with the CPU host
+model (`host_step_time`, below: gloo, no streams, all of it exposed); in `step_time` it
+overlaps compute as on a GPU, where NCCL runs on its own streams
+(dp_traffic.exposed_on_gpu).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from meshforge.plan.comm import collective_time
-from meshforge.plan.efficiency import matmul_unit_flops
-from meshforge.plan.flops import GPTShape, microbatch_flops, params_per_rank
+from meshforge.errors import ConfigError
+from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
+from meshforge.plan.dp_traffic import (
+    GRAD_REDUCE_BYTES,
+    OPTIMIZER_BYTES_PER_PARAM,
+    RankModel,
+    data_parallel_traffic,
+    exposed_on_gpu,
+    rank_models,
+)
+from meshforge.plan.flops import GPTShape
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import Layout, Training
 from meshforge.plan.memory import dtype_bytes
+from meshforge.plan.profile import MachineProfile
+from meshforge.plan.work import microbatch_work
 
-DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP's default bucket_cap_mb
-OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "sgd": 24}  # fp32 reads + writes, grad-norm pass
+if TYPE_CHECKING:
+    from meshforge.plan.predict import Prediction
+
+__all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "HostCosts",
+    "StepTime",
+    "host_step_time",
+    "pipeline_bubble_fraction",
+    "pipeline_bubble_ratio",
+    "step_time",
+]
+
+# writing the 16-bit copy of the updated fp32 master parameters (read 4 B, write 2 B):
+# Megatron's model params, FSDP's cast before its all-gather, autocast's weight copies
+CAST_BYTES_PER_PARAM = 6.0
 
 
 @dataclass(frozen=True)
@@ -98,110 +115,214 @@ def pipeline_bubble_fraction(
     return (pp - 1) / (microbatches * v + pp - 1)
 
 
-def step_time(shape: GPTShape, layout: Layout, training: Training, cluster: Cluster) -> StepTime:
+@dataclass(frozen=True)
+class _RankTime:
+    model: RankModel
+    compute_s: float  # one micro-batch
+    tp_s: float
+    forward_s: float  # one micro-batch's forward compute (for the DP overlap)
+    backward_s: float
+
+
+def step_time(
+    shape: GPTShape,
+    layout: Layout,
+    training: Training,
+    cluster: Cluster,
+    scaling: NetworkScaling = NETWORK_SCALING,
+    tp_comm_overlap: bool = False,
+    param_gather_overlap: bool = False,
+    grad_reduce_bytes: float = GRAD_REDUCE_BYTES,
+    pp_scatter_gather: bool = False,
+) -> StepTime:
+    """Seconds per step (module docstring). `scaling`: the network at scale (comm.py).
+    Settings of other trainers (meshforge's own trainer uses the defaults):
+    `tp_comm_overlap`: tensor-parallel collectives pipelined with the layer's matmuls
+    (Megatron-Core's --tp-comm-overlap, TransformerEngine userbuffers), so only what
+    the matmuls cannot cover is exposed; `param_gather_overlap`: ZeRO-1's after-step
+    parameter gather hidden under the next forward (Megatron's --overlap-param-gather);
+    `grad_reduce_bytes`: bytes per gradient element reduced (4: fp32);
+    `pp_scatter_gather`: each tensor-parallel rank sends 1/t of a stage boundary's
+    activations and the next stage all-gathers them over NVLink (Megatron-LM's
+    scatter/gather optimisation, Narayanan et al. 2021 §4.1), instead of every rank
+    sending the whole tensor."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     b, precision = training.micro_batch, training.precision
     m = training.microbatches(d)
     act_bytes = dtype_bytes(precision)
     device = cluster.device
-    peak = device.peak(precision)
+    work = microbatch_work(shape, t, layout.sequence_parallel, b, precision,
+                           training.recompute, training.sdpa, device)  # fmt: skip
 
-    # compute of one micro-batch on the last stage (its layers plus the logits)
-    flops = microbatch_flops(shape, b)
-    stage_layers = shape.n_layers / p
-    stage_hw = flops.hardware(stage_layers, training.recompute) / t
-    unit = matmul_unit_flops(b, shape.seq_len, shape.d_model, shape.mlp_width / shape.d_model, t)
-    fraction = device.curve.fraction(unit, peak)
-    comp = stage_hw / (peak * fraction)
-    forward_share = (stage_layers * flops.layer_forward + flops.logits_forward) / t / stage_hw
-    fwd_s, bwd_s = comp * forward_share, comp * (1.0 - forward_share)
-
-    # tensor parallel: 4 all-reduces of b·s·h per layer (6 with full recompute)
-    tp_s = 0.0
+    # tensor parallel: 4 collectives of b·s·h per layer (6 with full recompute), one
+    # for the vocabulary-parallel embedding, two around the head (gather, scatter)
+    tp_one = 0.0
     if t > 1:
-        bw, lat = cluster.group_busbw(t, 1)
-        per_layer = 4 + (2 if training.recompute == "full" else 0)
+        bw, lat = group_link(cluster, t, 1, scaling)
         size = b * shape.seq_len * shape.d_model * act_bytes
-        tp_s = stage_layers * per_layer * collective_time("all_reduce", size, t, bw, lat)
+        tp_one = collective_time("all_reduce", size, t, bw, lat)
+    per_layer = 4 + (2 if training.recompute == "full" else 0)
 
     # pipeline: activations forward and gradients backward, at each of v chunk boundaries
     pp_s = 0.0
     if p > 1:
         bw, lat = cluster.p2p_bandwidth(p, layout.pp_stride)
         size = b * shape.seq_len * shape.d_model * act_bytes
+        gather = 0.0
         if layout.sequence_parallel:
             size /= t  # the boundary tensor is sequence-sharded
-        pp_s = 2 * v * (size / bw + lat)
+        elif pp_scatter_gather and t > 1:
+            gather = collective_time("all_gather", size, t, *group_link(cluster, t, 1, scaling))
+            size /= t
+        pp_s = 2 * v * (size / bw + lat + gather)
 
-    t_mb = comp + tp_s + pp_s
+    ranks = []
+    for rank in dict.fromkeys(rank_models(shape, t, p, v)):  # distinct ranks only
+        fwd = rank.layers * work.layer.forward_s
+        bwd = rank.layers * work.layer.backward_s
+        tp_count = rank.layers * per_layer
+        if rank.embedding:
+            fwd += work.embedding.forward_s
+            bwd += work.embedding.backward_s
+            tp_count += 1
+        if rank.head:
+            fwd += work.head.forward_s
+            bwd += work.head.backward_s
+            tp_count += 2
+        tp_s = tp_count * tp_one
+        if tp_comm_overlap:
+            matmuls = rank.layers * work.layer.total_s * (1.0 - work.memory_bound_fraction)
+            tp_s = max(0.0, tp_s - matmuls)
+        ranks.append(_RankTime(rank, fwd + bwd, tp_s, fwd, bwd))
+    slowest = max(ranks, key=lambda r: r.compute_s + r.tp_s)
+    t_mb = slowest.compute_s + slowest.tp_s + pp_s
     bubble = pipeline_bubble_ratio(p, m, v) * m * t_mb  # = (p-1)/v · t_mb
 
-    rank = params_per_rank(shape, t, p)
-    dp_total, dp_exposed = _data_parallel_seconds(
-        rank.total, rank.block, layout, precision, cluster, m, fwd_s, bwd_s
-    )
-    opt_params = rank.total / (d if layout.zero >= 1 else 1)
-    opt_s = (
-        opt_params
-        * OPTIMIZER_BYTES_PER_PARAM[training.optimizer]
-        / device.memory_bandwidth_bytes_per_s
-    )
+    # data-parallel traffic and the optimizer: the rank that finishes last
+    dp_total, dp_exposed, opt_s = 0.0, 0.0, 0.0
+    after_step = -1.0
+    for r in ranks:
+        traffic = data_parallel_traffic(r.model, layout.zero, m, precision, "distributed",
+                                        grad_reduce_bytes)  # fmt: skip
+        total, exposed = exposed_on_gpu(traffic, cluster, layout, r.model, work, m, scaling,
+                                        param_gather_overlap)  # fmt: skip
+        opt = _optimizer_seconds(r.model.params, layout, training, device)
+        if exposed + opt > after_step:
+            after_step, dp_total, dp_exposed, opt_s = exposed + opt, total, exposed, opt
     return StepTime(
-        compute_s=m * comp,
-        tp_comm_s=m * tp_s,
+        compute_s=m * slowest.compute_s,
+        tp_comm_s=m * slowest.tp_s,
         pp_comm_s=m * pp_s,
         bubble_s=bubble,
         dp_comm_exposed_s=dp_exposed,
         optimizer_s=opt_s,
         dp_comm_total_s=dp_total,
-        compute_fraction_of_peak=fraction,
+        compute_fraction_of_peak=work.fraction_of_peak,
     )
 
 
-def _data_parallel_seconds(
-    params: float,
-    block_params: float,
-    layout: Layout,
-    precision: str,
+def _optimizer_seconds(params: float, layout: Layout, training: Training, device) -> float:
+    """Memory-bound: OPTIMIZER_BYTES_PER_PARAM per parameter the rank updates, plus the
+    16-bit copy of the updated parameters in bf16/fp16 (a GPU curve: at its bandwidth
+    fraction; a measured machine's rate is its own optimizer rate)."""
+    updated = params / (layout.dp if layout.zero >= 1 else 1)
+    per_param = OPTIMIZER_BYTES_PER_PARAM[training.optimizer]
+    bw = device.memory_bandwidth_bytes_per_s
+    if device.curve.scope == "matmul":
+        bw *= device.curve.bandwidth_fraction
+        if training.precision in ("bf16", "fp16"):
+            per_param += CAST_BYTES_PER_PARAM
+    return updated * per_param / bw
+
+
+# -- the trainer on a host without streams (CPU, gloo) -------------------------------------
+#
+# On a CPU with gloo, meshforge's trainer does not overlap FSDP's collectives: FSDP2
+# waits for each unit's all-gather before its compute and for each reduce-scatter in the
+# post-backward hook (a profile of a ZeRO-3 step shows the time as FSDP::all_gather and
+# post_backward_reduce self time), and every collective pays its latency per unit. DDP's
+# gradient buckets do overlap the last backward (gloo's own thread). The optimizer step
+# runs on FSDP2's DTensor shards, much slower per byte than on plain tensors. So on a CPU
+# the data-parallel and optimizer terms of a prediction are the traffic of
+# dp_traffic.data_parallel_traffic (ZeRO-1 as ZeroRedundancyOptimizer: one broadcast
+# per owner, all in flight), all exposed except DDP's buckets, plus the loss all-reduce
+# of a logged step (report.json's step times are those of logged steps), and the
+# optimizer at the measured rate for plain tensors (DDP, ZeRO-1) or DTensor shards.
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What a CPU host measures beyond the MachineProfile (observe.machine)."""
+
+    optimizer_bytes_per_s: float  # AdamW + clipping on plain tensors, 32 B per parameter
+    sharded_optimizer_bytes_per_s: float  # the same on FSDP2 DTensor shards
+
+    @classmethod
+    def from_profile(cls, profile: MachineProfile) -> HostCosts:
+        bw = profile.memory_bandwidth_bytes_per_s
+        return cls(bw, bw)
+
+
+def _gpt_units(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[float]:
+    """Parameters of each FSDP unit the busiest rank holds: its blocks, then the root."""
+    return max(rank_models(shape, tp, pp), key=lambda r: r.params).units
+
+
+def host_step_time(
+    prediction: Prediction,
+    shape: GPTShape,
     cluster: Cluster,
-    m: int,
-    fwd_s: float,
-    bwd_s: float,
-) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel traffic per step; see module docstring."""
-    d = layout.dp
-    if d == 1:
-        return 0.0, 0.0
+    host: HostCosts,
+    bucket_mb: float = 25.0,
+    logged: bool = True,
+) -> dict[str, float]:
+    """Seconds per step of meshforge's trainer on a CPU host (see above), from a
+    planner prediction, whose compute, tensor-parallel, pipeline and bubble times it
+    keeps; the data-parallel and optimizer terms are the host's."""
+    if prediction.time is None:
+        raise ConfigError("a host step time needs a GPT shape")
+    layout, training = prediction.layout, prediction.training
+    d, zero = layout.dp, layout.zero
+    m = training.microbatches(d)
     bw, lat = cluster.group_busbw(d, layout.dp_stride)
-    grad_bytes = 4.0 * params  # fp32 gradient reduction in every precision
 
-    def t(collective: str, size: float) -> float:
-        return collective_time(collective, size, d, bw, lat)
+    def t(kind: str, size: float) -> float:
+        return collective_time(kind, size, d, bw, lat)
 
-    if layout.zero <= 1:
-        all_reduce = t("all_reduce", grad_bytes)
-        last_bucket = t("all_reduce", min(DDP_BUCKET_BYTES, grad_bytes))
-        exposed = max(0.0, all_reduce - bwd_s) + min(last_bucket, all_reduce)
-        total = all_reduce
-        if layout.zero == 1:
-            broadcast = t("all_gather", 4.0 * params)  # owners send updated fp32 params
-            total += broadcast
-            exposed += broadcast
-        return total, exposed
-
-    param_bytes = dtype_bytes(precision) * params
-    gather = t("all_gather", param_bytes)
-    scatter = t("reduce_scatter", grad_bytes)
-    edge_gather = t("all_gather", dtype_bytes(precision) * block_params)
-    edge_scatter = t("reduce_scatter", 4.0 * block_params)
-    if layout.zero == 2:
-        total = gather + scatter
-        exposed = max(0.0, gather - fwd_s) + max(0.0, scatter - bwd_s)
-        exposed += edge_gather + edge_scatter
-        return total, min(exposed, total)
-    total = 2 * m * gather + scatter
-    exposed_early = max(0.0, gather - fwd_s) + max(0.0, gather - bwd_s) + 2 * edge_gather
-    exposed_last = max(0.0, gather - fwd_s) + max(0.0, gather + scatter - bwd_s)
-    exposed_last += 2 * edge_gather + edge_scatter
-    exposed = (m - 1) * exposed_early + exposed_last
-    return total, min(exposed, total)
+    compute = prediction.time.compute_s
+    fwd_share = 0.25 if training.recompute == "full" else 1.0 / 3.0
+    last_backward = compute / m * (1.0 - fwd_share)
+    comm, optimizer = 0.0, 0.0
+    rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
+    for rank in rank_models(shape, layout.tp, layout.pp):
+        traffic = data_parallel_traffic(rank, zero, m, training.precision, "redundancy")
+        rank_comm = 0.0
+        if d > 1 and zero <= 1:
+            buckets = [(t(traffic.grad_collective, b), n) for b, n in traffic.buckets(bucket_mb)]
+            total = sum(seconds * n for seconds, n in buckets)
+            rank_comm = max(0.0, total - last_backward) + buckets[-1][0]
+            if zero == 1:  # per-parameter broadcasts, all in flight: one per owner's share
+                rank_comm += d * t("broadcast", traffic.param_bytes_after_step / d)
+        elif d > 1:
+            for unit in traffic.units:
+                gathers = traffic.forward_gathers + traffic.backward_gathers
+                rank_comm += gathers * t("all_gather", traffic.gather_bytes_per_param * unit)
+                grads = traffic.grad_bytes_per_param * unit
+                rank_comm += traffic.reduce_scatters * t("reduce_scatter", grads)
+        updated = rank.params / (d if zero >= 1 else 1)
+        rank_opt = updated * OPTIMIZER_BYTES_PER_PARAM[training.optimizer] / rate
+        if rank_comm + rank_opt > comm + optimizer:
+            comm, optimizer = rank_comm, rank_opt
+    logging = t("all_reduce", 4.0) if logged else 0.0
+    model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
+    bubble = prediction.time.bubble_s
+    step = compute + model_parallel + bubble + comm + logging + optimizer
+    return {
+        "compute_s": compute,
+        "tp_pp_comm_s": model_parallel,
+        "bubble_s": bubble,
+        "dp_comm_exposed_s": comm,
+        "logging_allreduce_s": logging,
+        "optimizer_s": optimizer,
+        "step_s": step,
+    }

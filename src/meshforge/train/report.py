@@ -125,6 +125,7 @@ def build_report(
         "model_params": trainer.params.total,
         "model_params_non_embedding": trainer.params.non_embedding,
         "flops_per_token": trainer.flops_per_token,
+        "flops_convention": trainer.flops_convention,  # what flops_per_token and mfu count
         "first_loss": figures["first_loss"],
         "final_loss": figures["final_loss"],
         "val_loss": val_loss,

@@ -45,7 +45,14 @@ from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import StragglerWatch
 from meshforge.observe.trace import StepTracer, parse_steps
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.plan.flops import ParamCount, gpt_param_count, shape_of, training_flops_per_token
+from meshforge.plan.flops import (
+    FACTORY_FLOPS_CONVENTION,
+    FLOPS_CONVENTION,
+    ParamCount,
+    gpt_param_count,
+    shape_of,
+    training_flops_per_token,
+)
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime
@@ -97,10 +104,12 @@ class Trainer:
             n = self.parts.n_params
             self.params = ParamCount(n, 0, n)
             self.flops_per_token = 6.0 * n
+            self.flops_convention = FACTORY_FLOPS_CONVENTION
         else:
             shape = shape_of(cfg.model)
             self.params = gpt_param_count(shape)
             self.flops_per_token = training_flops_per_token(shape)
+            self.flops_convention = FLOPS_CONVENTION
         self.tokens_per_step = t.global_batch * cfg.model.seq_len
         self.progress: TrainingProgress | None = None
         # what this rank is doing (observe/flight.py); a disabled one when not given

@@ -1,0 +1,77 @@
+"""The time model against independent published runs (plan/published.py): conversion,
+fit, leave-one-source-out error, and the table in docs/planner.md."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from meshforge.plan.comm import NETWORK_SCALING
+from meshforge.plan.efficiency import CALIBRATIONS, curve_for
+from meshforge.plan.published import PUBLISHED_RUNS
+from meshforge.plan.validation import BOUND, fit, fitted, markdown, validation_table
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+USABLE = tuple(r for r in PUBLISHED_RUNS if fitted(r))
+# every held-out row is within 40% today; docs/planner.md ("Limits") names the rows
+# still outside the ±20% goal
+HELD_OUT_LIMIT = 0.40
+
+
+@functools.cache
+def _table():
+    return validation_table()
+
+
+def test_the_shipped_constants_are_the_fit_on_every_source():
+    curves, scaling = fit(USABLE)
+    for gen in ("a100", "h100", "h200"):
+        assert curves[gen] == CALIBRATIONS[gen], gen
+    assert scaling == NETWORK_SCALING
+
+
+def test_h200_keeps_the_h100_matmuls_and_its_own_bandwidth():
+    h100, _ = curve_for("h100")
+    h200, name = curve_for("h200")
+    assert (h200.f_max, h200.t0_s) == (h100.f_max, h100.t0_s) and "h100" in name
+    assert curve_for("a100-40gb")[1] == "a100" and curve_for("h100-nvl")[1] == "h100"
+    assert curve_for("v100-sxm2-16gb")[1].startswith("generic")
+
+
+def test_the_validation_spans_the_sources_sizes_and_layouts_the_issue_asks_for():
+    sources = {r.source for r in USABLE}
+    assert len(USABLE) >= 12 and len(sources) >= 4
+    assert {r.gpu.split("-")[0] for r in USABLE} >= {"a100", "h100"}
+    assert {r.layout_kind for r in USABLE} == {"dp", "3d"}
+    sizes = [r.published_params for r in USABLE if r.published_params]
+    assert min(sizes) <= 2e9 and max(sizes) >= 1e12
+
+
+def test_only_hardware_outside_the_catalogue_is_excluded_and_it_is_still_predicted():
+    excluded = [r for r in _table() if r.excluded is not None]
+    assert excluded, "the torchtitan H100 rows (500 W HBM2e parts) are excluded"
+    for row in excluded:
+        assert "catalogue does not hold" in row.excluded, row.run.name
+        assert row.predicted is not None and row.held_out_error is not None
+
+
+def test_every_held_out_row_is_within_the_stated_limit():
+    for row in _table():
+        if row.unsupported is None and row.excluded is None:
+            assert abs(row.held_out_error) <= HELD_OUT_LIMIT, (row.run.source, row.run.name)
+
+
+@pytest.mark.xfail(reason="the ±20% goal is not met yet: docs/planner.md lists the rows")
+def test_every_held_out_row_is_within_20_percent():
+    misses = [
+        (r.run.source, r.run.name, round(r.held_out_error, 3))
+        for r in _table()
+        if r.unsupported is None and r.excluded is None and abs(r.held_out_error) > BOUND
+    ]
+    assert misses == []
+
+
+def test_the_docs_table_is_the_computed_one():
+    assert markdown(_table()) in DOCS.read_text()
