@@ -50,6 +50,11 @@ _PRELOAD = (
     "meshforge.cli.train",
     "meshforge.train.worker",
     "meshforge.train.trainer",
+    # what the first checkpoint would import (DCP looks for an fsspec path): not on
+    # the critical path of the first save
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    "torch.utils.serialization.config",
 )
 _RELAYED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
 _HEADER = struct.Struct("!I")
@@ -138,7 +143,10 @@ def serve(path: str, launcher_pid: int) -> None:
     import importlib
 
     for name in _PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # optional (fsspec): the worker imports it when it needs it
+            continue
     import threading
 
     if threading.active_count() != 1:  # a Python thread could hold a lock at the fork
