@@ -134,6 +134,7 @@ def step_time(
     param_gather_overlap: bool = False,
     grad_reduce_bytes: float = GRAD_REDUCE_BYTES,
     pp_scatter_gather: bool = False,
+    pp_paired_transfers: bool = True,
 ) -> StepTime:
     """Seconds per step (module docstring). `scaling`: the network at scale (comm.py).
     Settings of other trainers (meshforge's own trainer uses the defaults):
@@ -145,7 +146,12 @@ def step_time(
     `pp_scatter_gather`: each tensor-parallel rank sends 1/t of a stage boundary's
     activations and the next stage all-gathers them over NVLink (Megatron-LM's
     scatter/gather optimisation, Narayanan et al. 2021 §4.1), instead of every rank
-    sending the whole tensor."""
+    sending the whole tensor; `pp_paired_transfers`: a stage's send and receive of one
+    exchange run as one pair, two transfer times per micro-batch and chunk (Megatron's
+    send_forward_recv_backward / send_backward_recv_forward); False for DeepSpeed's
+    pipeline engine, whose TrainSchedule (deepspeed/runtime/pipe/schedule.py) issues
+    SendGrad, RecvActivation, RecvGrad and SendActivation as four separate blocking
+    transfers per micro-batch."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     b, precision = training.micro_batch, training.precision
     m = training.microbatches(d)
@@ -174,7 +180,8 @@ def step_time(
         elif pp_scatter_gather and t > 1:
             gather = collective_time("all_gather", size, t, *group_link(cluster, t, 1, scaling))
             size /= t
-        pp_s = 2 * v * (size / bw + lat + gather)
+        transfers = 2 if pp_paired_transfers else 4
+        pp_s = transfers * v * (size / bw + lat + gather)
 
     ranks = []
     for rank in dict.fromkeys(rank_models(shape, t, p, v)):  # distinct ranks only

@@ -29,6 +29,9 @@ Conversions a source needs, said once here:
   under the GEMMs (timing.step_time's tp_comm_overlap), and its --overlap-param-gather
   the distributed optimizer's parameter gather under the next forward
   (param_gather_overlap);
+* a row whose notes name DeepSpeed's pipeline engine (Megatron-DeepSpeed: BLOOM,
+  MT-NLG) pays four pipeline transfers per micro-batch instead of Megatron's two
+  (timing.step_time's pp_paired_transfers);
 * gradients are reduced in the dtype the row's `grad_reduce` names (fp32 unless the
   source's code reduces in 16 bits);
 * an interleaved schedule whose end chunks hold no transformer layer (Llama 3: 126
@@ -75,6 +78,7 @@ class Inputs:
     param_gather_overlap: bool  # ... and ZeRO-1's parameter gather with the next forward
     grad_reduce_bytes: float
     pp_scatter_gather: bool  # Megatron-LM's scatter/gather of stage-boundary tensors
+    pp_paired_transfers: bool  # Megatron pairs a stage's sends and receives; DeepSpeed not
 
 
 def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inputs:
@@ -109,7 +113,8 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     grad_bytes = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[run.grad_reduce]
     return Inputs(shape, layout, trainings, cluster, "--tp-comm-overlap" in run.notes,
                   "--overlap-param-gather" in run.notes, grad_bytes,
-                  "scatter/gather optimization enabled" in run.notes)  # fmt: skip
+                  "scatter/gather optimization enabled" in run.notes,
+                  "DeepSpeed's pipeline engine" not in run.notes)  # fmt: skip
 
 
 def _network(name: str) -> LinkSpec:
@@ -154,7 +159,8 @@ def predicted_step_s(
         x = replace(x, cluster=replace(x.cluster, device=replace(x.cluster.device, curve=curve)))
     times = [
         step_time(x.shape, x.layout, t, x.cluster, scaling, x.tp_comm_overlap,
-                  x.param_gather_overlap, x.grad_reduce_bytes, x.pp_scatter_gather).step_s
+                  x.param_gather_overlap, x.grad_reduce_bytes, x.pp_scatter_gather,
+                  x.pp_paired_transfers).step_s
         for t in x.trainings
     ]  # fmt: skip
     return sum(times) / len(times)
