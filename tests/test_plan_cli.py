@@ -253,6 +253,9 @@ def test_flag_form_marks_given_and_searched_fields(capsys):
         ("parallel: {pp: 2, pp_schedule: zbv}\nmodel: {tie_embeddings: false}\n", ["--gpus", "2"],
          ["pp_schedule=zbv"]),
         (None, ["--gpus", "2", "--params", "1e9", "--set", "train.steps=5"], ["--set", "--config"]),
+        # a flag is checked as the same --set would be
+        ("parallel: {pp: 2, pp_schedule: 1f1b}\nmodel: {tie_embeddings: false}\n",
+         ["--gpus", "2", "--virtual-stages", "2"], ["--virtual-stages 2", "interleaved_1f1b"]),
     ],
 )  # fmt: skip
 def test_bad_job_input_exits_2_with_one_line(tmp_path, capsys, job, args, words):
@@ -261,3 +264,22 @@ def test_bad_job_input_exits_2_with_one_line(tmp_path, capsys, job, args, words)
         path.write_text(job)
         args = ["--config", str(path), *args]
     assert_one_line_error(_plan_here(capsys, *args), *words)
+
+
+def test_a_gpipe_job_without_a_pipeline_plans(tmp_path, capsys):
+    """The schedule the planner cannot model is refused only where a pipeline runs:
+    --pp 1 beside a gpipe job plans, as --set parallel.pp=1 does."""
+    job = _job(tmp_path, {"parallel": {"pp": 2, "pp_schedule": "gpipe"},
+                          "model": {"tie_embeddings": False}})  # fmt: skip
+    out = _json_here(capsys, "--config", job, "--gpus", "2", "--pp", "1")
+    assert out["layout"]["pp"] == 1 and out["layout_fields"]["pp"] == "given"
+
+
+def test_a_model_smaller_than_the_validated_runs_is_flagged(capsys):
+    """A tiny model on a calibrated GPU: the step time is a lower bound, and says so."""
+    small = _json_here(capsys, "--config", str(REPO / "examples" / "gpt-3d.yaml"), "--gpus",
+                       "8", "--gpu", "h100")  # fmt: skip
+    assert any("lower bound" in w for w in small["warnings"]), small.get("warnings")
+    big = _json_here(capsys, "--model", "llama-8b", "--gpus", "64", "--gpu", "h100",
+                     "--global-batch", "512")  # fmt: skip
+    assert "warnings" not in big

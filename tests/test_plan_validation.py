@@ -75,3 +75,18 @@ def test_every_held_out_row_is_within_20_percent():
 
 def test_the_docs_table_is_the_computed_one():
     assert markdown(_table()) in DOCS.read_text()
+
+
+def test_the_validated_range_of_matmul_sizes_is_the_published_runs():
+    """`plan` warns below VALIDATED_MIN_UNIT_FLOPS: no published run is below it."""
+    from meshforge.plan.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
+    from meshforge.plan.validation import planner_inputs
+
+    units = []
+    for run in USABLE:
+        x = planner_inputs(run)
+        for t in x.trainings:
+            ratio = x.shape.mlp_width / x.shape.d_model
+            units.append(matmul_unit_flops(t.micro_batch, x.shape.seq_len, x.shape.d_model,
+                                           ratio, x.layout.tp))  # fmt: skip
+    assert min(units) >= VALIDATED_MIN_UNIT_FLOPS

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.app import app
-from meshforge.plan.gpus import GPU_BY_KEY
+from meshforge.models.presets import PRESETS
+from meshforge.plan.gpus import ALIASES, GPU_BY_KEY
 
 if TYPE_CHECKING:
     from meshforge.plan.job import JobPlan
@@ -33,7 +34,7 @@ Preset = Annotated[
     str | None,
     _opt(
         "--model",
-        help="A model preset (gpt2-124m ... llama-8b, llama-70b); shape flags override it.",
+        help=f"A model preset ({', '.join(PRESETS)}); shape flags override it.",
         panel=_MODEL,
     ),
 ]
@@ -111,7 +112,14 @@ def plan_command(
         int, _opt("--gpus-per-node", help="GPUs per node.", panel=_CLUSTER)
     ] = 8,
     gpu: Annotated[
-        str, _opt("--gpu", help=f"A GPU of the table: {', '.join(GPU_BY_KEY)}.", panel=_CLUSTER)
+        str,
+        _opt(
+            "--gpu",
+            help=f"A GPU of the table: {', '.join(GPU_BY_KEY)} (aliases: "
+            + ", ".join(f"{a} = {k}" for a, k in ALIASES.items())
+            + ").",
+            panel=_CLUSTER,
+        ),
     ] = "h100",
     network: Annotated[
         str,
@@ -163,7 +171,14 @@ def plan_command(
     from meshforge.errors import ConfigError
     from meshforge.plan.job import layout_fields
     from meshforge.plan.layout import Training
-    from meshforge.plan.request import build_cluster, build_model, plan, plan_json, world_size_from
+    from meshforge.plan.request import (
+        build_cluster,
+        build_model,
+        plan,
+        plan_json,
+        plan_warnings,
+        world_size_from,
+    )
     from meshforge.plan.search import LayoutChoice
 
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
@@ -208,10 +223,13 @@ def plan_command(
         )
     cluster = build_cluster(n, gpu, gpus_per_node, network, intra_network, nics_per_node, profile)
     predictions, is_search = plan(model, training, cluster, choice, memory_convention, top, refusal)
+    warnings = plan_warnings(model, predictions, cluster.device)
     if as_json:
-        typer.echo(json.dumps(plan_json(predictions, is_search, fields)))
+        typer.echo(json.dumps(plan_json(predictions, is_search, fields, warnings)))
         return
     _print_table(predictions, is_search, cluster.device.name, n, fields)
+    for warning in warnings:
+        typer.echo(f"meshforge: note: {warning}", err=True)
 
 
 # What to --set instead of a model or training flag beside --config.
@@ -231,6 +249,12 @@ def _refuse_model_flags(given: dict[str, object]) -> None:
     for flag, value in given.items():
         if value is None:
             continue
+        if flag == "--model":
+            raise ConfigError(
+                "--model with --config: the job's model section gives the model; change it "
+                "with --set model.preset=NAME (shape fields the job names still win over "
+                "the preset's)"
+            )
         if flag in _JOB_KEYS:
             raise ConfigError(
                 f"{flag} with --config: the job gives the model and its training; "

@@ -100,9 +100,15 @@ def curve_for(gpu: str) -> tuple[ComputeCurve, str]:
     for prefix in sorted(ARCHITECTURES, key=len, reverse=True):
         if key.startswith(prefix):
             name = ARCHITECTURES[prefix]
-            label = "h200 (h100 matmuls, h200 bandwidth)" if name == "h200" else name
+            label = "h200 (h100 matmuls, its own memory bandwidth)" if name == "h200" else name
             return CALIBRATIONS[name], label
-    return GENERIC_CURVE, "generic (no published runs on this architecture)"
+    return GENERIC_CURVE, "generic (no published runs on this GPU model)"
+
+
+# The smallest matmul unit (W, below) of the published runs behind the calibrations:
+# below it a plan extrapolates (t0 is 0 for the fitted GPUs, so kernel launch and
+# per-kernel costs that dominate tiny matmuls are not in the step time).
+VALIDATED_MIN_UNIT_FLOPS = 1e11
 
 
 def matmul_unit_flops(micro_batch: int, seq: int, hidden: int, mlp_ratio: float, tp: int) -> float:

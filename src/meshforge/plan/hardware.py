@@ -34,7 +34,11 @@ class DeviceSpec:
         try:
             return self.peak_flops_per_s[precision]
         except KeyError:
-            raise ConfigError(f"device {self.name} has no peak for precision={precision}") from None
+            have = ", ".join(sorted(p for p, v in self.peak_flops_per_s.items() if v))
+            raise ConfigError(
+                f"device {self.name} has no peak for precision={precision} "
+                f"(it has: {have}; e.g. --precision {'fp16' if 'fp16' in have else 'fp32'})"
+            ) from None
 
 
 def _device(gpu: Gpu) -> DeviceSpec:

@@ -225,11 +225,6 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
     def given(name: str) -> Any:
         return getattr(p, name) if name in named else None
 
-    if p.pp > 1 and p.pp_schedule not in _MODELLED_SCHEDULES:
-        raise ConfigError(
-            f"parallel.pp_schedule={p.pp_schedule}: the planner models the 1f1b and "
-            "interleaved_1f1b schedules only"
-        )
     virtual = given("virtual_stages")
     if virtual is None and "pp_schedule" in named and p.pp_schedule != "interleaved_1f1b":
         virtual = 1  # a schedule without interleaving, named
@@ -247,6 +242,26 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
     )
 
 
+def _check_schedule(cfg: JobConfig, choice: LayoutChoice, flags: LayoutChoice) -> None:
+    """The job's pipeline schedule against the layout after the flags: one the planner
+    does not model is refused only when a pipeline is given; --virtual-stages > 1 needs
+    the interleaved schedule, as `--set parallel.virtual_stages` would."""
+    if cfg.parallel == "auto":
+        return
+    p: ParallelConfig = cfg.parallel
+    if (choice.pp or 1) > 1 and p.pp_schedule not in _MODELLED_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule}: the planner models the 1f1b and "
+            "interleaved_1f1b schedules only"
+        )
+    if (flags.virtual_stages or 1) > 1 and p.pp_schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"--virtual-stages {flags.virtual_stages} with --config: the job's "
+            f"parallel.pp_schedule={p.pp_schedule} holds one stage per rank; add "
+            "--set parallel.pp_schedule=interleaved_1f1b"
+        )
+
+
 def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPlan:
     """What `meshforge plan --config` plans for `cfg`: its shape (a preset resolved by
     the config), global batch, precision and activation checkpointing; the trainer's
@@ -259,6 +274,7 @@ def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPla
     choice = job_choice(cfg)
     overrides = {f.name: getattr(flags, f.name) for f in fields(flags)}
     choice = replace(choice, **{k: v for k, v in overrides.items() if v is not None})
+    _check_schedule(cfg, choice, flags)
     t = cfg.train
     training = Training(
         global_batch=t.global_batch,

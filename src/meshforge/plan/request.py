@@ -153,12 +153,39 @@ def plan(
     return [best], False
 
 
+def plan_warnings(model: Any, predictions: list[Prediction], device: Any) -> list[str]:
+    """What the user should know about how far a plan carries: matmuls smaller than any
+    of the published runs the GPU's constants were fitted on (efficiency.py)."""
+    from meshforge.plan.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
+
+    if not isinstance(model, GPTShape) or not predictions:
+        return []
+    if device.calibration.startswith(("generic", "measured")):
+        return []
+    best = predictions[0]
+    unit = matmul_unit_flops(best.training.micro_batch, model.seq_len, model.d_model,
+                             model.mlp_width / model.d_model, best.layout.tp)  # fmt: skip
+    if unit >= VALIDATED_MIN_UNIT_FLOPS:
+        return []
+    return [
+        f"this model's matmuls ({unit:.1e} FLOPs per MLP projection and micro-batch) are "
+        f"smaller than any in the published runs {device.name}'s constants were fitted on "
+        f"(>= {VALIDATED_MIN_UNIT_FLOPS:.0e}): kernel launches and fixed costs are not "
+        "in its step time, which is then a lower bound"
+    ]
+
+
 def plan_json(
-    predictions: list[Prediction], is_search: bool, fields: dict[str, str] | None = None
+    predictions: list[Prediction],
+    is_search: bool,
+    fields: dict[str, str] | None = None,
+    warnings: list[str] | None = None,
 ) -> dict[str, Any]:
     """The object `meshforge plan --json` prints; `fields` (which layout fields were
     given and which searched) goes beside each prediction as "layout_fields"."""
     extra = {} if fields is None else {"layout_fields": fields}
+    if warnings:
+        extra["warnings"] = warnings
     if is_search:
         return {"candidates": [{**p.to_dict(), **extra} for p in predictions]}
     return {**predictions[0].to_dict(), **extra}

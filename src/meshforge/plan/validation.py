@@ -331,7 +331,26 @@ def markdown(rows: list[Row]) -> str:
         out += ("\n\nExcluded from the fit and the bound (hardware the catalogue does not "
                 "hold, as the source states it), predicted for the record:\n\n"
                 + _markdown_rows(excluded) + "\n\n" + notes)  # fmt: skip
-    return out
+    return out + "\n\n" + summary(rows)
+
+
+def summary(rows: list[Row]) -> str:
+    """One line: how many fitted rows are within the ±20% goal held out, and which not."""
+    kept = [r for r in rows if r.excluded is None and r.held_out_error is not None]
+    errors = sorted(abs(r.held_out_error) for r in kept)
+    median = errors[len(errors) // 2] if errors else 0.0
+    within = sum(e <= 0.20 for e in errors)
+    misses = ", ".join(
+        f"{r.run.name} ({r.run.source}, {r.run.n_gpus} {r.run.gpu}) {100 * r.held_out_error:+.1f}%"
+        for r in kept
+        if abs(r.held_out_error) > 0.20
+    )
+    line = (
+        f"Held out: {within} of {len(kept)} predicted rows within ±20% of the published "
+        f"figure (median |error| {100 * median:.1f}%, {len({r.run.source for r in kept})} "
+        "sources)"
+    )
+    return line + (f"; beyond ±20%: {misses}." if misses else ".")
 
 
 def _markdown_rows(rows: list[Row]) -> str:
@@ -366,13 +385,20 @@ def constants_markdown(constants: Constants) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m meshforge.plan.validation --markdown
-    import sys
+if __name__ == "__main__":  # python -m meshforge.plan.validation [--markdown]
+    import argparse
 
+    ap = argparse.ArgumentParser(
+        prog="python -m meshforge.plan.validation",
+        description="The planner against published training runs (plan/published.py): "
+        "the fitted constants, each row's error, and its error when its source is held "
+        "out of the fit (docs/planner.md has the same tables).",
+    )
+    ap.add_argument("--markdown", action="store_true", help="the constants too, as in the docs")
+    args = ap.parse_args()
     table = validation_table()
-    if "--markdown" in sys.argv:
+    if args.markdown:
         usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))
         print(constants_markdown(fit(usable)) + "\n\n" + markdown(table))
     else:
-        for row in table:
-            print(row.run.source, row.run.name, row.error, row.held_out_error, row.unsupported)
+        print(markdown(table))
