@@ -240,6 +240,12 @@ def test_a_restarted_run_ends_where_an_uninterrupted_one_does(tmp_path_factory, 
     assert restart["failed_at"] < restart["resumed_at"] <= report["timing"]["last_step_at"]
     assert restart["gap_s"] == pytest.approx(restart["resumed_at"] - restart["failed_at"])
     assert report["timing"]["restart_gaps_s"] == [restart["gap_s"]]
+    # start-up is the command's to the launch's first step (the first attempt's), and
+    # the failed attempt's segment ends where its restart says it had reached
+    assert report["timing"]["first_step_at"] < restart["failed_at"]
+    assert report["timing"]["startup_phases_s"] is None
+    first = report["segments"][0]
+    assert (first["ended"], first["end_step"]) == ("restarted", restart["reached_before"])
     d = _diagnose(job.run_dir)
     assert d["verdict"] == "ok" and "after 1 restart" in d["summary"], d["summary"]
 

@@ -161,6 +161,7 @@ def job_file(tmp_path: Path) -> Path:
             ["--local-addr 192.0.2.77", "not an address of this host"],
         ),
         (["--max-restarts", "x"], ["--max-restarts"]),
+        (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )

@@ -250,6 +250,7 @@ def test_a_second_ctrl_c_kills_the_workers_at_once_and_keeps_the_last_checkpoint
     assert not alive
     report = job.report
     assert report["status"] == "interrupted" and report["stopped"]["signal"] == "SIGINT"
+    assert report["timing"]["exited_at"] is not None  # this launch's timing, its exit
     newest = max(int(p.name[5:]) for p in (job.run_dir / "checkpoints").glob("step-*"))
     assert report["last_checkpoint"] == newest >= 5
     assert f"resumes from the last checkpoint, at step {newest}" in last, last

@@ -279,16 +279,20 @@ def launch_training(argv: list[str]) -> int:
     from meshforge.train.timing import mark_launch
 
     mark_launch()  # the workers' start-up is timed from this process's start
+    # A Ctrl-C before the agent runs is noted, not raised: raised inside a torch call
+    # it would abort the process; the job is given up before the workers start.
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
     # first: it imports torch and the trainer while this process prepares the job
     preloaded = zygote.start()
     try:
-        return _launch_training(argv, preloaded)
+        return _launch_training(argv, preloaded, pressed)
     finally:
         if preloaded is not None:
             preloaded.stop()
 
 
-def _launch_training(argv: list[str], preloaded: Any) -> int:
+def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int:
     from meshforge.config import load_config
     from meshforge.errors import ConfigError
     from meshforge.launch.torchrun import check_gpu_count, launch_config, parse_launch_args
@@ -382,6 +386,10 @@ def _launch_training(argv: list[str], preloaded: Any) -> int:
     from meshforge.launch.ctrl_c import CtrlC
 
     launched = time.time()
+    if pressed:
+        print("meshforge: interrupted (Ctrl-C) before the workers started; nothing was "
+              "trained", file=sys.stderr, flush=True)  # fmt: skip
+        return 130
     ctrl_c = CtrlC().install(config)  # a second Ctrl-C kills the workers (launch/ctrl_c.py)
     try:
         diagnosis = run_elastic(

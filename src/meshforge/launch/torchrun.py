@@ -97,8 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if action.dest == "nproc_per_node":
             action.option_strings = [*action.option_strings, "--nproc"]
+        if action.dest in _MESHFORGE_DEFAULTS:  # meshforge sets these unless given
+            action.help = _MESHFORGE_DEFAULTS[action.dest]
         launch._add_action(action)
     return parser
+
+
+_MESHFORGE_DEFAULTS = {
+    "monitor_interval": "Seconds between the agent's checks of its workers (meshforge: "
+    "0.05 unless given; torchrun: 0.1).",
+    "shutdown_timeout": "Seconds the agent waits for its workers to leave after SIGTERM "
+    "before it kills them (meshforge: runtime.grace_s + 10 unless given).",
+}
 
 
 @dataclass
@@ -172,6 +182,10 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     nproc = local_world_size(args.nproc_per_node)
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
+    if args.monitor_interval is not None and args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     # What torchrun's run() does before config_from_args.
     if args.standalone:
         if max_nodes > 1:

@@ -210,6 +210,7 @@ def serve(path: str, launcher_pid: int) -> None:
             if not live:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+                    os.rmdir(os.path.dirname(path))  # the launcher could not (killed)
                 return
 
 
@@ -232,10 +233,8 @@ def _fork_worker(request: dict, fds: list[int], *keep_out) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - a worker's crash is reported like python's
-        import traceback
-
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - a worker's crash is reported as python would
+        sys.excepthook(*sys.exc_info())  # the worker's own one-line hook (train/worker.py)
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -261,6 +260,9 @@ def _become_worker(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ["MESHFORGE_PRELOADED"] = "1"  # train/timing.py: report.json says so
+    # the process whose death the worker must notice (train/worker.py): the zygote,
+    # which outlives its launcher only while it has workers
+    os.environ["MESHFORGE_EXPECTED_PARENT"] = str(os.getppid())
     sys.argv = ["meshforge", *request["args"]]
     sys.path[0] = request["cwd"]
     random.seed()
@@ -312,7 +314,19 @@ def _term_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 
 
+def _quiet_exit(signum: int, frame) -> None:  # noqa: ARG001 - signal API
+    os._exit(128 + signum)  # stopped before its worker exists: nothing to pass on
+
+
 def client(args: list[str]) -> None:
+    # Until its worker exists a stop ends the client at once, quietly (no traceback from
+    # a sleep); it also ends when the launcher dies (SIGTERM), or has died already.
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), _quiet_exit)
+    _term_with_launcher()
+    launcher = os.environ.get("MESHFORGE_LAUNCHER_PID", "")
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        os._exit(1)
     spec = os.environ.get(ENV, "")
     sock = _connect(spec) if spec and spec != "0" else None
     if sock is None:
@@ -335,7 +349,6 @@ def client(args: list[str]) -> None:
 
     for name in _RELAYED:
         signal.signal(getattr(signal, name), relay)
-    _term_with_launcher()
     try:
         reply, _ = _recv(sock)
     except OSError:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from meshforge.observe.metrics import latest_rows, read_jsonl
 from meshforge.observe.peak import PeakFlops
 from meshforge.runtime.agree import count_nodes
-from meshforge.train.segments import segments_of
+from meshforge.train.segments import launch_first_step, segments_of
 
 if TYPE_CHECKING:
     from meshforge.train.trainer import Trainer
@@ -170,7 +170,10 @@ def build_report(
     }
     report["restarts"] = restarts_of_this_run(trainer.run_dir)
     # written last but one: report_at is as close to the write as it can be
-    report["timing"] = trainer.timing.as_dict(time.time(), report["restarts"])
+    launch_first = None
+    if trainer.flight.attempt > 0:  # an elastic restart: the launch started earlier
+        launch_first = launch_first_step(trainer.run_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
+    report["timing"] = trainer.timing.as_dict(time.time(), report["restarts"], launch_first)
     if trainer.dims.parameter_server:
         from meshforge.parallel.param_server import summarise
 
@@ -345,6 +348,7 @@ def write_interrupted_report(
         pass
     from meshforge.train.checkpoint import list_checkpoints
     from meshforge.train.segments import close_segment, open_segment_number
+    from meshforge.train.timing import RunTiming, launched_at
 
     segment = open_segment_number(run_dir)
     if segment is not None:
@@ -357,6 +361,9 @@ def write_interrupted_report(
         "steps": steps,
         "stopped": {"signal": signal_name, "step": None},
         "last_checkpoint": checkpoints[-1][0] if checkpoints else None,
+        # this launch's (an earlier launch's report may be underneath): its start, no
+        # step timed; the launcher adds its exit (train/timing.py record_exit)
+        "timing": RunTiming(launched_at()).as_dict(time.time(), []),
     })  # fmt: skip
     return True
 

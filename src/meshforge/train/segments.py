@@ -92,6 +92,38 @@ def close_segment(run_dir: Path, segment: int, end_step: int, ended: str, **extr
     _append(run_dir, {**record, "ended": ended, **extra})
 
 
+def mark_first_step(run_dir: Path, segment: int, at: float) -> None:
+    """Record when a segment's first step began (the launch's start-up ends at its
+    first attempt's: report.json timing)."""
+    _append(run_dir, {"event": "first_step", "segment": segment, "time": at})
+
+
+def launch_first_step(run_dir: Path, run_id: str | None) -> float | None:
+    """The first step of the launch `run_id` (the elastic agent's run id, shared by its
+    restarts' segments): its first attempt's, when that one recorded it."""
+    if run_id is None:
+        return None
+    records = read_records(run_dir)
+    ours = {r.get("segment") for r in records if r.get("event") == "start"
+            and r.get("run_id") == run_id}  # fmt: skip
+    times = [r["time"] for r in records if r.get("event") == "first_step"
+             and r.get("segment") in ours and isinstance(r.get("time"), int | float)]  # fmt: skip
+    return min(times, default=None)
+
+
+def _reached_before_restart(run_dir: Path, start: dict[str, Any]) -> int | None:
+    """The step a restarted segment had reached, as its restart recorded it
+    (health/restarts.jsonl `reached_before`): it may have logged no row since."""
+    path = run_dir / "health" / "restarts.jsonl"
+    attempt = (start.get("attempt") or 0) + 1
+    for entry in read_jsonl(path) if path.exists() else []:
+        if entry.get("run_id") == start.get("run_id") and entry.get("attempt") == attempt:
+            reached = entry.get("reached_before")
+            if isinstance(reached, int):
+                return reached
+    return None
+
+
 def open_segment_number(run_dir: Path) -> int | None:
     """The newest segment if it has no end record yet (its workers are gone or running)."""
     records = read_records(run_dir)
@@ -139,9 +171,13 @@ def segments_of(run_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 item["signal"] = end["signal"]
         else:
             following = starts[i + 1] if i + 1 < len(starts) else None
-            item["ended"] = "restarted" if _restart_of(start, following) else "crashed"
+            restarted = _restart_of(start, following)
+            item["ended"] = "restarted" if restarted else "crashed"
             if last is not None:
                 item["end_step"] = max(begun, int(last["step"]))
+            reached = _reached_before_restart(run_dir, start) if restarted else None
+            if reached is not None:
+                item["end_step"] = max(item["end_step"], reached)
             times = [start.get("time"), (last or {}).get("time")]
             if all(isinstance(t, int | float) for t in times):
                 item["wall_s"] = max(0.0, times[1] - times[0])

@@ -58,8 +58,10 @@ PRELOADED_ENV = "MESHFORGE_PRELOADED"  # set in a worker forked from the zygote
 
 
 def mark_launch() -> None:
-    """In the launcher: record its own process start for the workers it starts."""
+    """In the launcher: record its own process start for the workers it starts, and its
+    pid (a worker started after the launcher died must notice: train/worker.py)."""
     os.environ.setdefault(LAUNCHED_AT_ENV, repr(process_start()))
+    os.environ["MESHFORGE_LAUNCHER_PID"] = str(os.getpid())
 
 
 @dataclass
@@ -74,7 +76,8 @@ class RunTiming:
 
     def phases(self) -> dict[str, float | None]:
         """Where start-up went: launcher (the command to rank 0's process start:
-        parsing, the run directory, the agent, spawning), imports (rank 0's start to
+        parsing, the run directory, the agent, spawning; with the zygote, also its
+        import of torch, since a forked worker starts after it), imports (rank 0's start to
         its process group, which waits for the slowest peer's imports), build (the
         trainer: data, model, sharding, sinks), ready (resume, the machine profile,
         the loader and the first step's barrier)."""
@@ -86,16 +89,30 @@ class RunTiming:
             for n, a, b in zip(names, marks, marks[1:], strict=False)
         }
 
-    def as_dict(self, report_at: float, restarts: list[dict[str, Any]]) -> dict[str, Any]:
+    def as_dict(
+        self,
+        report_at: float,
+        restarts: list[dict[str, Any]],
+        launch_first_step_at: float | None = None,
+    ) -> dict[str, Any]:
+        """`launch_first_step_at`: after an elastic restart, the launch's first step (its
+        first attempt's): start-up is the command's to it, and the phases, which this
+        attempt's workers did not see, are left out (the restart's gap is in
+        restart_gaps_s)."""
+
         def since(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else end - start
 
         gaps = [r["gap_s"] for r in restarts if r.get("gap_s") is not None]
+        first = self.first_step_at
+        phases: dict[str, float | None] | None = self.phases()
+        if launch_first_step_at is not None:
+            first, phases = launch_first_step_at, None
         return {
             "launched_at": self.launched_at,
-            "first_step_at": self.first_step_at,
-            "startup_s": since(self.launched_at, self.first_step_at),
-            "startup_phases_s": self.phases(),
+            "first_step_at": first,
+            "startup_s": since(self.launched_at, first),
+            "startup_phases_s": phases,
             "last_step_at": self.last_step_at,
             "final_checkpoint_s": self.final_checkpoint_s,
             "report_at": report_at,

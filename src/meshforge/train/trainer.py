@@ -60,7 +60,7 @@ from meshforge.train import faults
 from meshforge.train.checkpoint import Checkpointer
 from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report
-from meshforge.train.segments import close_segment, open_segment
+from meshforge.train.segments import close_segment, mark_first_step, open_segment
 from meshforge.train.step import StepResult, cross_entropy
 from meshforge.train.timing import RunTiming, launched_at, process_start
 
@@ -383,6 +383,8 @@ class Trainer:
                     self.timing.first_step_at = time.time()
                     if rt.is_main:
                         self._record_resumed()
+                        if self.segment is not None:
+                            mark_first_step(self.run_dir, self.segment, self.timing.first_step_at)
                 if ref_compute_s is None and step == start and self._needs_reference():
                     x0, y0 = batch.micro_batches[0]
                     ref_compute_s = self._reference_compute_s(

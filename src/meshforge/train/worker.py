@@ -146,7 +146,13 @@ def _stop_with_launcher() -> None:
     import ctypes
     import signal
 
-    parent = os.getppid()
+    # The parent it must outlive: the launcher (its elastic agent), or the zygote that
+    # forked it (launch/zygote.py); by pid, since a launcher killed before this line
+    # has already left this worker to init.
+    expected = os.environ.get("MESHFORGE_EXPECTED_PARENT") or os.environ.get(
+        "MESHFORGE_LAUNCHER_PID", ""
+    )
+    parent = int(expected) if expected.isdigit() else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
