@@ -87,7 +87,11 @@ def watched_run(tmp_path_factory):
                 time.sleep(0.3)
                 continue
             steps = {s[0]["rank"]: s[1] for s in metrics.get("meshforge_step", [])}
-            if steps.get("0", 0) >= 1 and steps.get("1", 0) >= 1 and "meshforge_loss" in metrics:
+            # both ranks stepped, rank 0 logged, and the host sampler has sampled (its
+            # first sample follows the first interval, which can be after step 1)
+            sampled = "meshforge_network_receive_bytes_per_second" in metrics
+            ready = "meshforge_loss" in metrics and "meshforge_cpu_percent" in metrics
+            if steps.get("0", 0) >= 1 and steps.get("1", 0) >= 1 and ready and sampled:
                 scraped, listening = metrics, _listening_addrs(port)
                 break
             time.sleep(0.3)

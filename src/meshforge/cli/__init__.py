@@ -55,6 +55,4 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except MeshforgeError as exc:
         _fail_usage(str(exc))
-    if rc == 130:  # typer returns a Ctrl-C as a silent 130: say what happened
-        print("meshforge: interrupted (Ctrl-C)", file=sys.stderr)
     sys.exit(rc if isinstance(rc, int) else 0)
