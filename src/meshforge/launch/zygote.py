@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshforge.runtime.parent import signal_on_parent_death
+
 ENV = "MESHFORGE_ZYGOTE"  # the socket's path in a worker's environment; "0": off
 _PRELOAD = (
     "torch",
@@ -305,15 +307,6 @@ def _connect(spec: str) -> socket.socket | None:
     return None
 
 
-def _term_with_launcher() -> None:
-    """SIGTERM (passed on to the worker) when the launcher dies, as a worker started
-    by the agent itself gets (train/worker.py)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-
-
 def _quiet_exit(signum: int, frame) -> None:  # noqa: ARG001 - signal API
     os._exit(128 + signum)  # stopped before its worker exists: nothing to pass on
 
@@ -323,9 +316,9 @@ def client(args: list[str]) -> None:
     # a sleep); it also ends when the launcher dies (SIGTERM), or has died already.
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), _quiet_exit)
-    _term_with_launcher()
-    launcher = os.environ.get("MESHFORGE_LAUNCHER_PID", "")
-    if launcher.isdigit() and os.getppid() != int(launcher):
+    # SIGTERM (passed on to the worker) when the launcher dies, as a worker started by
+    # the agent itself gets (train/worker.py)
+    if not signal_on_parent_death(signal.SIGTERM, os.environ.get("MESHFORGE_LAUNCHER_PID")):
         os._exit(1)
     spec = os.environ.get(ENV, "")
     sock = _connect(spec) if spec and spec != "0" else None

@@ -143,23 +143,14 @@ def _stop_with_launcher() -> None:
     orphaned, in a run directory nobody holds any more. Linux only."""
     if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
-    import signal
+    from meshforge.runtime.parent import term_on_parent_death
 
     # The parent it must outlive: the launcher (its elastic agent), or the zygote that
     # forked it (launch/zygote.py); by pid, since a launcher killed before this line
     # has already left this worker to init.
-    expected = os.environ.get("MESHFORGE_EXPECTED_PARENT") or os.environ.get(
-        "MESHFORGE_LAUNCHER_PID", ""
+    term_on_parent_death(
+        os.environ.get("MESHFORGE_EXPECTED_PARENT") or os.environ.get("MESHFORGE_LAUNCHER_PID")
     )
-    parent = int(expected) if expected.isdigit() else os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
