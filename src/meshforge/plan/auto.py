@@ -41,7 +41,7 @@ from meshforge.plan.layout import Training
 from meshforge.plan.predict import Prediction
 from meshforge.plan.profile import MachineProfile
 from meshforge.plan.search import LayoutChoice, best_layout
-from meshforge.plan.timing import HostCosts, _gpt_units, host_step_time  # noqa: F401
+from meshforge.plan.timing import HostCosts, host_step_time  # noqa: F401
 
 # Assumed when this machine has no measured profile yet: the order of magnitude of one
 # core of a current x86 server with gloo over loopback (matmul rate of a mid-sized fp32

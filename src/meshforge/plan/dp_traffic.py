@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
-from meshforge.plan.flops import GPTShape
+from meshforge.plan.flops import GPTShape, rank_params
 from meshforge.plan.memory import dtype_bytes
 from meshforge.plan.stages import pipeline_ranks
 
@@ -69,24 +69,13 @@ class RankModel:
 
 
 def rank_models(shape: GPTShape, tp: int = 1, pp: int = 1, virtual: int = 1) -> list[RankModel]:
-    """Each pipeline rank's share (Megatron's split: weight matrices and column-parallel
-    biases ÷ t, norms and row-parallel biases replicated, vocabulary-parallel embedding;
-    with pp > 1 the last stage holds its own copy of a tied head)."""
-    h, t = shape.d_model, tp
-    split, replicated = shape.block_vectors()
-    block = (shape.block_matrices() + split) / t + replicated
-    embedding = shape.vocab_size * h / t + shape.position_params
-    head = shape.vocab_size * h / t
+    """Each pipeline rank's share, as `flops.rank_params` counts it (Megatron's split:
+    weight matrices and column-parallel biases ÷ t, norms and row-parallel biases
+    replicated, vocabulary-parallel embedding; the last stage's own head)."""
     out = []
     for r in pipeline_ranks(shape.n_layers, pp, virtual):
-        root = 0.0
-        if r.embedding:
-            root += embedding
-        if r.head:
-            root += shape.final_norm_params
-            if pp > 1 or not shape.tie_embeddings:
-                root += head
-        out.append(RankModel(r.layers, r.embedding, r.head, block, root))
+        held = rank_params(shape, tp, r)
+        out.append(RankModel(r.layers, r.embedding, r.head, held.block, held.root))
     return out
 
 

@@ -270,11 +270,6 @@ class HostCosts:
         return cls(bw, bw)
 
 
-def _gpt_units(shape: GPTShape, tp: int = 1, pp: int = 1) -> list[float]:
-    """Parameters of each FSDP unit the busiest rank holds: its blocks, then the root."""
-    return max(rank_models(shape, tp, pp), key=lambda r: r.params).units
-
-
 def host_step_time(
     prediction: Prediction,
     shape: GPTShape,
