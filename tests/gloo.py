@@ -56,7 +56,6 @@ import ctypes
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -68,6 +67,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import pytest
+
+from helpers import unused_port
 
 SIZES = (1, 2, 3, 4)
 START_TIMEOUT_S = 180.0  # spawning and importing torch on a loaded two-core machine
@@ -136,7 +137,7 @@ class _Group:
     def start(cls, world_size: int) -> _Group:
         failures = ""
         for _ in range(3):  # the free port may be taken before rank 0 binds it
-            group = cls._spawn(world_size, _free_port())
+            group = cls._spawn(world_size, unused_port())
             failures = group._wait_ready()
             if not failures:
                 return group
@@ -274,12 +275,6 @@ def _raise_worker_error(errors: list[tuple[int, tuple]], name: str, world_size: 
 
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -39,6 +41,29 @@ TINY_JOB: dict[str, Any] = {
     "checkpoint": {"every": 0, "keep": 3},
     "observe": {"log_every": 1},
 }
+
+
+def unused_port() -> int:
+    """A TCP port that nothing holds now, below the kernel's ephemeral range.
+
+    A port from bind(0) is an ephemeral one: between the test's pick and its use the kernel
+    can give the same port to any outgoing connection (gloo opens many), which once made a
+    healthy preflight report its --port "in use". Ports below the range are handed out only
+    to explicit binds."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no unused TCP port found in 10000..{low}")
 
 
 # A small GPT and a fixed CPU machine profile shared by the planner's tests.

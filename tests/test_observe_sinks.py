@@ -16,17 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, Job, assert_one_line_error, meshforge
+from helpers import REPO, Job, assert_one_line_error, meshforge, unused_port
 
 pytestmark = pytest.mark.slow
 
 WANDB = importlib.util.find_spec("wandb") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -58,7 +52,7 @@ def watched_run(tmp_path_factory):
     """A 2-rank run with TensorBoard, W&B (offline, when installed) and Prometheus on,
     scraped over loopback until both ranks have finished a step."""
     tmp = tmp_path_factory.mktemp("sinks")
-    port = _free_port()
+    port = unused_port()
     observe = {
         "log_every": 5,
         "tensorboard": True,
@@ -195,7 +189,7 @@ def full_disk(tmp_path):
 def test_failing_sinks_warn_once_and_training_goes_on(tmp_path, full_disk):
     """The Prometheus port is taken and metrics.jsonl sits on a full disk: one warning
     each, the run completes, its report is written."""
-    port = _free_port()
+    port = unused_port()
     job = Job(tmp_path, {"observe": {"prometheus_port": port, "log_every": 2}})
     job.run_dir.mkdir()
     (job.run_dir / "metrics.jsonl").symlink_to(full_disk / "metrics.jsonl")

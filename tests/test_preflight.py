@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, meshforge
+from helpers import assert_one_line_error, meshforge, unused_port
 from meshforge.errors import ConfigError
 from meshforge.health import preflight, probes
 from meshforge.health.preflight import FAIL, PASS, SKIP, WARN, evaluate
@@ -263,12 +263,6 @@ def test_version_fault_hook_changes_only_its_rank():
 # --- the command, end to end (2 gloo ranks) ----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 ALL_CHECKS = {
     "python", "torch", "cuda", "cudnn", "nccl", "meshforge", "driver", "gpus",
     "infiniband", "env", "disk", "rendezvous", "port", "allreduce", "bandwidth",
@@ -278,7 +272,7 @@ ALL_CHECKS = {
 def test_healthy_two_rank_run_passes_with_json(tmp_path):
     run_dir = tmp_path / "run"
     args = ["preflight", "--nproc", "2", "--run-dir", str(run_dir), "--bandwidth-mb", "1"]
-    proc = meshforge([*args, "--port", str(_free_port()), "--json"], timeout=180)
+    proc = meshforge([*args, "--port", str(unused_port()), "--json"], timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     checks = {c["name"]: c for c in doc["checks"]}
@@ -313,7 +307,7 @@ def test_under_an_existing_launcher_a_port_in_use_fails(tmp_path):
     """RANK/WORLD_SIZE set (torchrun, srun, mpirun) and no launch flag: the process runs
     the checks itself. A --port that another program holds would fail a rendezvous."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unused_port())}
     with socket.socket() as holder:
         holder.bind(("", 0))
         holder.listen()
