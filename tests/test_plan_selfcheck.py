@@ -16,6 +16,7 @@ benchmarks/planner_accuracy.py and docs/planner.md).
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -24,6 +25,7 @@ from helpers import SMALL_GPT as MODEL
 from meshforge.config import build_config
 from meshforge.plan.auto import HostCosts, host_step_time
 from meshforge.plan.comm import collective_time
+from meshforge.plan.dp_traffic import CLIP_BYTES_PER_PARAM, rank_models
 from meshforge.plan.efficiency import matmul_unit_flops
 from meshforge.plan.flops import GPTShape, microbatch_flops
 from meshforge.plan.job import predict_for_job
@@ -31,6 +33,7 @@ from meshforge.plan.layout import Layout
 from meshforge.plan.machine_fit import fit_allreduce, fit_matmul_curve
 from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
+from meshforge.plan.timing import TensorParallelModels, WrappedBlocks
 
 TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
 
@@ -68,22 +71,25 @@ def test_prediction_matches_the_run_at_world_2(job_factory, zero):
 
 
 def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
-    """The self-check covers tp/pp layouts: model states per rank within 10%, and the
-    step time priced with tensor-parallel collectives (pipeline: sends and bubble).
-    Its step time is not held to 1.5x here: on a CPU the DTensor dispatch of a model
-    this small costs more than its collectives, which the planner does not model
-    (benchmarks/planner_accuracy.py reports the ratio)."""
-    for name, parallel, part in (
-        ("tp2", {"tp": 2}, "tp_pp_comm_s"),
-        ("pp2", {"pp": 2, "pp_schedule": "1f1b"}, "bubble_s"),
-    ):
+    """The self-check covers tp/pp layouts: model states per rank within 10%; under tp the
+    step's compute is the model timed under its own tensor parallelism at the run's
+    start (its collectives and DTensor's dispatch included), under pp the planner's
+    sends and bubble."""
+    for name, parallel in (("tp2", {"tp": 2}), ("pp2", {"pp": 2, "pp_schedule": "1f1b"})):
         model = {**MODEL, "tie_embeddings": False}
         job = job_factory({"model": model, "parallel": parallel, "train": TRAIN}, name=name)
         job.train(2)
         predicted = job.report["predicted"]
         assert predicted and "error" not in predicted, predicted
         assert predicted["layout"]["tp"] * predicted["layout"]["pp"] == 2
-        assert predicted["time_breakdown_s"][part] > 0, predicted["time_breakdown_s"]
+        parts = predicted["time_breakdown_s"]
+        if name == "tp2":
+            timed = predicted["host"]["tensor_parallel"]
+            assert timed["tp"] == 2 and timed["micro_batch"] == TRAIN["micro_batch"]
+            assert parts["compute_s"] > 0 and parts["tp_pp_comm_s"] == 0, parts
+        else:
+            assert predicted["host"]["tensor_parallel"] is None
+            assert parts["bubble_s"] > 0, parts
         want = predicted["model_state_bytes"]["total"]
         for rank, measured in enumerate(job.report["model_state_bytes"]):
             ratio = measured["total"] / want
@@ -147,3 +153,59 @@ def test_predict_for_job_reports_memory_and_time_per_rank():
         sel = build_config({"model": MODEL, "train": {**TRAIN, "activation_checkpointing": mode}})
         times[mode] = predict_for_job(sel, 2, PROFILE)["step_time_s"]
     assert times["none"] < times["selective"] < times["full"]
+
+
+def _host_times(layout: Layout, host: HostCosts, micro: int = 8) -> dict[str, float]:
+    shape = GPTShape(2, 128, 4, 256, 64)
+    pred = predict_run(shape, layout, 16, micro, "fp32", "none", PROFILE)
+    return host_step_time(pred, shape, PROFILE.to_cluster(layout.world_size), host)
+
+
+def test_the_wrapping_timed_on_the_runs_blocks_is_used_for_its_own_layout_only():
+    """A run times the trainer's data-parallel wrapping on one and two of its blocks
+    (observe.machine.measure_wrapped_blocks); the host model takes those figures for
+    that layout (ZeRO stage, dp, micro-batches) and the traffic model for any other."""
+    blocks = 198_272.0
+    fsdp = WrappedBlocks(3, 2, 1, blocks, one_block_s=0.010, two_blocks_s=0.030)
+    plain = HostCosts(2e9, 2e8)
+    timed = HostCosts(2e9, 2e8, wrapped=fsdp)
+    zero3 = _host_times(Layout(dp=2, zero=3), timed)["dp_comm_exposed_s"]
+    # two blocks at half the two-block figure each, and the root unit on top
+    assert zero3 >= 0.030
+    slower = HostCosts(2e9, 2e8, wrapped=replace(fsdp, two_blocks_s=0.060))
+    assert _host_times(Layout(dp=2, zero=3), slower)["dp_comm_exposed_s"] > zero3
+    for other in (Layout(dp=2, zero=2), Layout(dp=4, zero=3)):
+        micro = 4 if other.dp == 4 else 8
+        assert _host_times(other, timed, micro) == _host_times(other, plain, micro)
+    assert _host_times(Layout(dp=2, zero=3), timed, micro=4) == _host_times(
+        Layout(dp=2, zero=3), plain, micro=4
+    )  # two micro-batches per step: not the step that was timed
+    # DDP: linear in the parameters through the two figures (the model holds 2.2 blocks)
+    ddp = WrappedBlocks(0, 2, 1, blocks, one_block_s=0.004, two_blocks_s=0.006)
+    comm = _host_times(Layout(dp=2), HostCosts(2e9, 2e8, wrapped=ddp))["dp_comm_exposed_s"]
+    held = rank_models(GPTShape(2, 128, 4, 256, 64))[0].params
+    assert comm == pytest.approx(0.004 + 0.002 * (held - blocks) / blocks)
+    # ZeRO-1: the ZeroRedundancyOptimizer's step as timed, plus clipping at the plain rate
+    zero1 = WrappedBlocks(1, 2, 1, blocks, 0.004, 0.006, optimizer_one_s=0.002,
+                          optimizer_two_s=0.003)  # fmt: skip
+    out = _host_times(Layout(dp=2, zero=1), HostCosts(2e9, 2e8, wrapped=zero1))
+    want = 0.002 + 0.001 * (held - blocks) / blocks + held * CLIP_BYTES_PER_PARAM / 2e9
+    assert out["optimizer_s"] == pytest.approx(want)
+    # what a cache holds comes back as it was
+    again = HostCosts.from_dict(
+        asdict(HostCosts(2e9, 2e8, zero1, TensorParallelModels(2, 8, 1, 2)))
+    )
+    assert again == HostCosts(2e9, 2e8, zero1, TensorParallelModels(2, 8, 1, 2))
+
+
+def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
+    """Blocks and ends timed under the job's tp (observe.machine.measure_tensor_parallel):
+    m micro-batches of L blocks and the ends, their collectives included."""
+    tp = TensorParallelModels(2, 8, one_block_s=0.012, two_blocks_s=0.020)
+    out = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8, tensor_parallel=tp))
+    assert out["compute_s"] == pytest.approx(2 * (2 * 0.008 + 0.004))  # 2 micro-batches of 8
+    assert out["tp_pp_comm_s"] == 0.0
+    untimed = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8))
+    assert untimed["tp_pp_comm_s"] > 0.0
+    other = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8, tensor_parallel=tp), micro=4)
+    assert other == _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8), micro=4)

@@ -16,8 +16,9 @@ optimizer   the trainer's step (gradient norm, clipping, AdamW) on the GPT's own
             shards (ZeRO-2/3): 32 bytes per parameter the rank updates ÷ time.
 all-reduce  gloo (CPU) or NCCL (GPU) fp32 all-reduce on the run's group at three sizes.
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
-            CPU also the process's own resident bytes beyond its parameters
-            (`runtime_bytes`, added to the predicted total to compare with peak RSS).
+            CPU also the process's own resident bytes beyond its parameters, after one
+            warm-up pass of a narrow copy of the model (`runtime_bytes`, added to the
+            predicted total to compare with peak RSS).
 
 Every rank measures; the slowest figures are kept (all-reduce MAX), so all ranks hold
 the same profile. It takes about a second, once per machine and configuration: the
@@ -28,6 +29,7 @@ when the cached figures were taken while other jobs shared the cores).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -63,7 +65,11 @@ from meshforge.plan.machine_fit import (
     measurement_record,
     remember_profile,
 )
-from meshforge.plan.timing import OPTIMIZER_BYTES_PER_PARAM
+from meshforge.plan.timing import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    TensorParallelModels,
+    WrappedBlocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +284,121 @@ def measure_optimizer_bandwidth(
     return OPTIMIZER_BYTES_PER_PARAM["adamw"] * per_rank / seconds
 
 
+# -- the trainer's data-parallel wrapping ----------------------------------------------
+
+
+class _Blocks(nn.Module):
+    """k of the model's blocks in a row: a stand-in for the model that the trainer's
+    data-parallel wrapping treats as it treats the real one (`blocks` are FSDP units)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def measure_wrapped_blocks(
+    cfg: JobConfig, microbatches: int, device: torch.device, mesh: Any, repeats: int = 5
+) -> WrappedBlocks:
+    """Seconds that the trainer's data-parallel wrapping (`wrap_data_parallel`: DDP for
+    ZeRO 0/1, FSDP2 units for ZeRO 2/3, with the job's parallel.comm settings) adds to
+    a step of one and of two of the job's blocks on `mesh`: `microbatches`
+    forward+backward passes of the run's micro-batch, gradient sync on the last only,
+    as the trainer accumulates; the same passes unwrapped are subtracted. Under ZeRO-1
+    also the ZeroRedundancyOptimizer's step. Collective: every rank of the mesh calls
+    it (a fixed number of repeats)."""
+    from meshforge.parallel.parallelize import wrap_data_parallel
+    from meshforge.train.optim import Optimizers
+
+    model, zero, dtype = cfg.model, cfg._parallel().zero, cfg.precision.dtype
+    x = torch.randn(cfg.train.micro_batch, model.seq_len, model.d_model, device=device)
+    grad = torch.randn_like(x)
+    cast = _TORCH_DTYPES[dtype] if dtype != "fp32" else None
+    wrapper = "fsdp" if zero >= 2 else "ddp"
+
+    def blocks(k: int) -> _Blocks:
+        with torch.device(device):
+            some = model.model_copy(update={"n_layers": k})
+            return _Blocks(list(model_class(some)(some).blocks.values())).train()
+
+    def step(module: nn.Module, parts: Any = None) -> Callable[[], None]:
+        inputs = x.detach().requires_grad_()
+
+        def run() -> None:
+            for i in range(microbatches):
+                sync = parts.gradient_sync(i == microbatches - 1) if parts else None
+                on = cast is not None and wrapper == "ddp"  # FSDP casts through its policy
+                autocast = torch.autocast(device.type, dtype=cast or torch.float32, enabled=on)
+                with sync or contextlib.nullcontext(), autocast:
+                    out = module(inputs)
+                out.float().backward(grad)
+            if parts is not None:
+                parts.reduce_gradients()
+            for p in module.parameters():
+                p.grad = None
+
+        return run
+
+    seconds, optimizer = [], []
+    for k in (1, 2):
+        plain = _time_passes(step(blocks(k)), device, 0.0, repeats)
+        parts = wrap_data_parallel([blocks(k)], wrapper, zero, mesh, cfg, device)
+        seconds.append(_time_passes(step(parts.callables[0], parts), device, 0.0, repeats) - plain)
+        if zero == 1:  # ZeroRedundancyOptimizer: its shard's AdamW and every broadcast
+            parts.callables[0](x).float().backward(grad)
+            opt = Optimizers(cfg, parts, mesh, device).optimizers[0]  # the trainer's
+            optimizer.append(_time_passes(opt.step, device, 0.0, repeats))
+        del parts
+    block_params = sum(p.numel() for p in blocks(1).parameters())
+    one, two, *opt_s = _max_across(seconds + optimizer, device, mesh.get_group())
+    return WrappedBlocks(
+        zero, mesh.size(), microbatches, float(block_params), one, two, *(opt_s or (None, None))
+    )
+
+
+def measure_tensor_parallel(
+    cfg: JobConfig, device: torch.device, tp_mesh: Any, repeats: int = 3
+) -> TensorParallelModels:
+    """Forward+backward seconds of one micro-batch through the job's model cut to one
+    and to two blocks, sharded over `tp_mesh` by the model's own tensor-parallel plan
+    (DTensor collectives, dispatch and all) with the trainer's loss. Collective: every
+    rank of the mesh calls it (a fixed number of repeats)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from meshforge.models.registry import tensor_parallel_plan
+
+    p, model, dtype = cfg._parallel(), cfg.model, cfg.precision.dtype
+    b = cfg.train.micro_batch
+    idx = torch.randint(0, model.vocab_size, (b, model.seq_len), device=device)
+    cast = _TORCH_DTYPES[dtype] if dtype != "fp32" else None
+    seconds = []
+    for k in (1, 2):
+        some = model.model_copy(update={"n_layers": k})
+        with torch.device(device):
+            lm = model_class(some)(some).train()
+        tensor_parallel_plan(model)(
+            lm, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
+        )
+        lm.tie_weights()
+
+        def run(lm: nn.Module = lm) -> None:
+            with loss_parallel() if p.loss_parallel else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=cast or torch.float32,
+                                    enabled=cast is not None):  # fmt: skip
+                    logits = lm(idx)
+                F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+            for q in lm.parameters():
+                q.grad = None
+
+        seconds.append(_time_passes(run, device, 0.0, repeats))
+    one, two = _max_across(seconds, device, tp_mesh.get_group())
+    return TensorParallelModels(tp_mesh.size(), b, one, two)
+
+
 # -- the all-reduce ------------------------------------------------------------------------
 
 
@@ -312,12 +433,40 @@ def _memory_bytes(device: torch.device) -> tuple[float, bool]:
 
 
 def _runtime_bytes(device: torch.device, cfg: JobConfig, world_size: int) -> float:
-    """CPU: resident bytes of this process now, less the parameters it holds (which the
-    planner counts itself). 0 on a GPU, whose peak counts tensors only."""
+    """CPU: resident bytes of this process once PyTorch's kernels are warm, less the
+    parameters it holds (which the planner counts itself). 0 on a GPU, whose peak counts
+    tensors only."""
     if device.type == "cuda":
         return 0.0
+    try:
+        _warm_up(cfg.model, cfg.precision.dtype, device)
+    except Exception as exc:  # a family the narrow copy cannot build: the baseline as is
+        log.debug("no warm-up pass before the runtime baseline: %s", exc)
     rss = float(psutil.Process().memory_info().rss)
     return max(0.0, rss - param_bytes_per_rank(cfg, world_size))
+
+
+def _warm_up(model: ModelConfig, dtype: str, device: torch.device) -> None:
+    """One forward and backward of a narrow one-layer copy of the model (8 dims per
+    head, 16 tokens, a vocabulary of at most 512), so that the baseline includes what
+    the first pass of any size allocates once and keeps: kernels initialised on first
+    use and the allocator's arenas (measured on this CPU: 12-28 MiB, which the first
+    training step would otherwise add beyond the prediction)."""
+    if model.is_factory:
+        return
+    narrow = model.model_copy(
+        update={
+            "n_layers": 1,
+            "d_model": 8 * model.n_heads,
+            "seq_len": min(model.seq_len, 16),
+            "vocab_size": min(model.vocab_size, 512),
+            "ffn_hidden": None if model.ffn_hidden is None else 16 * model.n_heads,
+        }
+    )
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        lm = model_class(narrow)(narrow).to(_TORCH_DTYPES[dtype]).train()
+        idx = torch.randint(0, narrow.vocab_size, (1, narrow.seq_len))
+        F.cross_entropy(lm(idx).float().flatten(0, 1), idx.flatten()).backward()
 
 
 # -- the profile ----------------------------------------------------------------------------
@@ -329,20 +478,23 @@ def measure_profile(
     group: Any = None,
     cfg: JobConfig | None = None,
     threads: int | None = None,
+    tp_mesh: Any = None,
 ) -> MeasuredProfile:
     """Measure this machine for the planner (see the module docstring). Collective:
     every rank of `group` (a DeviceMesh, a process group, or None for the default
     group) must call it at the same point. With `cfg`, the model's compute and the
-    optimizer step are timed at the job's own sizes. The random number generators are
+    optimizer step are timed at the job's own sizes (with a DeviceMesh as `group`, also
+    the trainer's data-parallel wrapping; with `tp_mesh`, the model under its tensor
+    parallelism). The random number generators are
     left as they were (the measurement draws its tensors from a forked state)."""
     device = torch.device(device)
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return _measure_profile(device, dtype, group, cfg, threads)
+        return _measure_profile(device, dtype, group, cfg, threads, tp_mesh)
 
 
 def _time_job(
-    cfg: JobConfig, dtype: str, device: torch.device, group: Any, mesh: Any
+    cfg: JobConfig, dtype: str, device: torch.device, group: Any, mesh: Any, tp_mesh: Any
 ) -> tuple[ComputeAtSize | None, HostCosts | None]:
     """The model's compute and the optimizer step at the job's sizes, the slowest
     rank's; (None, None) if any rank failed. A local failure must not leave the other
@@ -365,12 +517,25 @@ def _time_job(
     failed, seconds, matmul_s, plain, sharded = _max_across(local, device, group)
     if failed:
         return None, None
+    wrapped = None
+    if mesh is not None:  # DDP even over one rank: its hooks and bucket copies
+        m = cfg.train.global_batch // (b * mesh.size())
+        try:
+            wrapped = measure_wrapped_blocks(cfg, m, device, mesh)
+        except Exception as exc:  # the traffic model alone
+            log.warning("could not time the data-parallel wrapping: %s", exc)
+    tensor_parallel = None
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        try:
+            tensor_parallel = measure_tensor_parallel(cfg, device, tp_mesh)
+        except Exception as exc:  # the traffic model alone
+            log.warning("could not time the model under tensor parallelism: %s", exc)
     unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
     compute = ComputeAtSize(b, timed["flops"], seconds, matmul_s, unit)
-    return compute, HostCosts(1.0 / plain, 1.0 / sharded)
+    return compute, HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel)
 
 
-def _job_key(cfg: JobConfig | None, mesh: Any) -> dict[str, Any] | None:
+def _job_key(cfg: JobConfig | None, mesh: Any, tp_mesh: Any = None) -> dict[str, Any] | None:
     """What the job's own timings depend on (the model's shape, the micro-batch, and
     the shards the sharded optimizer step runs on)."""
     if cfg is None:
@@ -380,6 +545,10 @@ def _job_key(cfg: JobConfig | None, mesh: Any) -> dict[str, Any] | None:
         "model": cfg.model.model_dump(),
         "micro_batch": cfg.train.micro_batch,
         "sharded_over": mesh.size() if mesh is not None else None,
+        # the wrapping timed on the run's blocks (measure_wrapped_blocks)
+        "zero": cfg._parallel().zero,
+        "global_batch": cfg.train.global_batch,
+        "tp": tp_mesh.size() if tp_mesh is not None else None,
     }
 
 
@@ -396,19 +565,18 @@ def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:
     return box[0]
 
 
-def _measure_profile(device, dtype, group, cfg, threads) -> MeasuredProfile:
+def _measure_profile(device, dtype, group, cfg, threads, tp_mesh) -> MeasuredProfile:
     from meshforge.observe import machine_cache
 
     mesh = group if hasattr(group, "get_group") else None  # a DeviceMesh
     group = mesh.get_group() if mesh is not None else group
     world = _world(group)
     threads = threads or torch.get_num_threads()
-    runtime = _runtime_bytes(device, cfg, world) if cfg is not None else 0.0
     backend = dist.get_backend(group) if dist.is_initialized() else "none"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     key = machine_cache.measurement_key(
         machine=gpu, device_type=device.type, backend=backend, dtype=dtype,
-        threads=threads, world=world, job=_job_key(cfg, mesh),
+        threads=threads, world=world, job=_job_key(cfg, mesh, tp_mesh),
     )  # fmt: skip
     cached = _agreed_cache_entry(key, device, group)
     if cached is not None:
@@ -420,7 +588,7 @@ def _measure_profile(device, dtype, group, cfg, threads) -> MeasuredProfile:
     else:
         (when,) = _max_across([time.time()], device, group)  # one time on every rank
         peak, peak_source = peak_matmul_flops(device, dtype, threads)
-        compute, host = _time_job(cfg, dtype, device, group, mesh) if cfg else (None, None)
+        compute, host = _time_job(cfg, dtype, device, group, mesh, tp_mesh) if cfg else (None, None)
         points = measure_allreduce(device, group)
         memory, per_device = _memory_bytes(device)
         measured = MachineMeasurements(
@@ -432,6 +600,9 @@ def _measure_profile(device, dtype, group, cfg, threads) -> MeasuredProfile:
     profile, host = fit_profile(measured)
     if measured.compute is not None and (world == 1 or dist.get_rank() == 0):
         remember_profile(profile, host, measured)
+    # after the measurements: what they leave in the allocator's arenas the training
+    # steps reuse
+    runtime = _runtime_bytes(device, cfg, world) if cfg is not None else 0.0
     details = measurement_record(measured, host)
     details["cached"] = cached is not None
     details["measured_at"] = entry["measured_at"] if cached is not None else when

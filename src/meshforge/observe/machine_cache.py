@@ -113,7 +113,7 @@ def from_dict(d: dict[str, Any]) -> MachineMeasurements:
     if d.get("compute") is not None:
         d["compute"] = ComputeAtSize(**d["compute"])
     if d.get("host") is not None:
-        d["host"] = HostCosts(**d["host"])
+        d["host"] = HostCosts.from_dict(d["host"])
     if d.get("allreduce_points") is not None:
         d["allreduce_points"] = [(float(s), float(t)) for s, t in d["allreduce_points"]]
     return MachineMeasurements(**d)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +129,7 @@ def build_model_parts(
     cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
 ) -> ModelParts:
     """The job's model, cut, sharded and initialised for this rank of `dims`."""
-    t, p = cfg.train, cfg._parallel()
+    t = cfg.train
     factory = cfg.model.is_factory
     if factory:
         with torch.random.fork_rng(devices=[]):  # the same weights on every rank
@@ -171,21 +171,45 @@ def build_model_parts(
             for unit in blocks or [m]:
                 unit.compile()
     wrapper = _data_parallel_kind(dims)
-    if wrapper in ("fsdp", "replicate"):
-        mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)
-        for m in modules:
-            _shard(m, wrapper, dims.zero, mesh["dp"], mp, p.comm.prefetch)
-    for m in modules:
+
+    def materialise(m: nn.Module) -> None:
         if factory:
             m.to(device)
         else:
             m.to_empty(device=device)
             m.tie_weights()
             m.init_weights(t.seed)
+
+    parts = wrap_data_parallel(modules, wrapper, dims.zero, mesh["dp"], cfg, device, materialise)
+    parts.n_params = n_params
+    return parts
+
+
+def wrap_data_parallel(
+    modules: list[nn.Module],
+    wrapper: str,
+    zero: int,
+    dp_mesh: DeviceMesh,
+    cfg: JobConfig,
+    device: torch.device,
+    materialise: Callable[[nn.Module], None] | None = None,
+) -> ModelParts:
+    """`modules` wrapped for data parallelism as the trainer wraps them (`wrapper`:
+    "ddp", "fsdp", "replicate" or "none"; parallel.comm's settings): FSDP units are
+    sharded before `materialise` (if given) runs on each module, DDP wraps after it.
+    observe/machine.py times a few of the job's blocks through this same function."""
+    p = cfg._parallel()
+    if wrapper in ("fsdp", "replicate"):
+        mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)
+        for m in modules:
+            _shard(m, wrapper, zero, dp_mesh, mp, p.comm.prefetch)
+    if materialise is not None:
+        for m in modules:
+            materialise(m)
     callables: list[nn.Module] = list(modules)
     deferred = None
     if wrapper == "ddp":
-        group = mesh["dp"].get_group()
+        group = dp_mesh.get_group()
         callables = [
             DistributedDataParallel(
                 m,
@@ -200,7 +224,7 @@ def build_model_parts(
             register_compression(ddp, p.comm, group)
         if not p.comm.overlap:
             deferred = FlatGradReduction(group, p.comm.bucket_mb)
-    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred, n_params)
+    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred)
 
 
 def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:

@@ -163,7 +163,7 @@ def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1)
         host = None
         if device == "cpu":
             try:
-                host = HostCosts(**entry["host"])
+                host = HostCosts.from_dict(entry["host"])
             except (KeyError, TypeError):
                 host = HostCosts.from_profile(profile)
         return PlanningMachine(profile.to_cluster(world_size), host, f"profile measured {when}")

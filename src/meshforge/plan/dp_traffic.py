@@ -46,6 +46,8 @@ GRAD_REDUCE_BYTES = 4.0  # fp32 gradient reduction, whatever the compute precisi
 # AdamW: fp32 reads of param, grad and both moments, writes of param and moments, one
 # more read of the grads for the norm; SGD one moment fewer
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 32, "sgd": 24}
+# the gradient norm reads each fp32 gradient once, clipping reads and writes it
+CLIP_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ overlaps compute as on a GPU, where NCCL runs on its own streams
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshforge.errors import ConfigError
 from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
 from meshforge.plan.dp_traffic import (
+    CLIP_BYTES_PER_PARAM,
     GRAD_REDUCE_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
     RankModel,
@@ -258,16 +259,76 @@ def _optimizer_seconds(params: float, layout: Layout, training: Training, device
 
 
 @dataclass(frozen=True)
+class WrappedBlocks:
+    """One and two of the job's blocks wrapped as the trainer wraps them (DDP for ZeRO
+    0/1, FSDP2 units for ZeRO 2/3) on the run's data-parallel group, timed through one
+    step of `microbatches` forward+backward passes (gradient sync on the last only):
+    seconds beyond the same passes unwrapped (observe/machine.py)."""
+
+    zero: int
+    dp: int
+    microbatches: int
+    block_params: float
+    one_block_s: float
+    two_blocks_s: float
+    # ZeRO-1: the ZeroRedundancyOptimizer's step (its shard's AdamW, then each owner's
+    # broadcast of every parameter it updated), one and two blocks
+    optimizer_one_s: float | None = None
+    optimizer_two_s: float | None = None
+
+    def optimizer_s(self, params: float) -> float | None:
+        """ZeRO-1's optimizer step for `params`, linear through the two figures."""
+        if self.optimizer_one_s is None or self.optimizer_two_s is None:
+            return None
+        slope = max(0.0, self.optimizer_two_s - self.optimizer_one_s) / self.block_params
+        return max(0.0, self.optimizer_one_s + slope * (params - self.block_params))
+
+    def matches(self, zero: int, dp: int, microbatches: int) -> bool:
+        return (self.zero, self.dp, self.microbatches) == (zero, dp, microbatches)
+
+
+@dataclass(frozen=True)
+class TensorParallelModels:
+    """One micro-batch's forward+backward through the job's model cut to one and to two
+    blocks, sharded by its tensor-parallel plan over `tp` ranks (observe/machine.py):
+    the difference is a block's time under tensor parallelism (its share of the
+    matmuls, its collectives and DTensor's dispatch on a CPU), the rest the
+    embeddings, head and loss."""
+
+    tp: int
+    micro_batch: int
+    one_block_s: float
+    two_blocks_s: float
+
+    def block_s(self) -> float:
+        return max(0.0, self.two_blocks_s - self.one_block_s)
+
+    def ends_s(self) -> float:
+        return max(0.0, self.one_block_s - self.block_s())
+
+
+@dataclass(frozen=True)
 class HostCosts:
     """What a CPU host measures beyond the MachineProfile (observe.machine)."""
 
     optimizer_bytes_per_s: float  # AdamW + clipping on plain tensors, 32 B per parameter
     sharded_optimizer_bytes_per_s: float  # the same on FSDP2 DTensor shards
+    wrapped: WrappedBlocks | None = None  # the run's own layout, timed on its blocks
+    tensor_parallel: TensorParallelModels | None = None  # the same, under its tp
 
     @classmethod
     def from_profile(cls, profile: MachineProfile) -> HostCosts:
         bw = profile.memory_bandwidth_bytes_per_s
         return cls(bw, bw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HostCosts:
+        d = dict(d)
+        if d.get("wrapped") is not None:
+            d["wrapped"] = WrappedBlocks(**d["wrapped"])
+        if d.get("tensor_parallel") is not None:
+            d["tensor_parallel"] = TensorParallelModels(**d["tensor_parallel"])
+        return cls(**d)
 
 
 def host_step_time(
@@ -296,10 +357,17 @@ def host_step_time(
     last_backward = compute / m * (1.0 - fwd_share)
     comm, optimizer = 0.0, 0.0
     rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
+    wrapped = host.wrapped
+    if wrapped is not None and not (
+        wrapped.matches(zero, d, m) and layout.tp == layout.pp == 1
+    ):
+        wrapped = None  # timed for another layout: the traffic model alone
     for rank in rank_models(shape, layout.tp, layout.pp):
         traffic = data_parallel_traffic(rank, zero, m, training.precision, "redundancy")
         rank_comm = 0.0
-        if d > 1 and zero <= 1:
+        if wrapped is not None:
+            rank_comm = _wrapped_comm(wrapped, rank, traffic, t)
+        elif d > 1 and zero <= 1:
             buckets = [(t(traffic.grad_collective, b), n) for b, n in traffic.buckets(bucket_mb)]
             total = sum(seconds * n for seconds, n in buckets)
             rank_comm = max(0.0, total - last_backward) + buckets[-1][0]
@@ -313,10 +381,25 @@ def host_step_time(
                 rank_comm += traffic.reduce_scatters * t("reduce_scatter", grads)
         updated = rank.params / (d if zero >= 1 else 1)
         rank_opt = updated * OPTIMIZER_BYTES_PER_PARAM[training.optimizer] / rate
+        if wrapped is not None and wrapped.optimizer_s(rank.params) is not None:
+            # ZeRO-1's step timed as the trainer runs it, with the gradient clipping on
+            # the full gradients at the plain rate
+            clip = rank.params * CLIP_BYTES_PER_PARAM / host.optimizer_bytes_per_s
+            rank_opt = wrapped.optimizer_s(rank.params) + clip
         if rank_comm + rank_opt > comm + optimizer:
             comm, optimizer = rank_comm, rank_opt
-    logging = t("all_reduce", 4.0) if logged else 0.0
+    # a logged step's two small all-reduces: every rank's figures (straggler watch) and
+    # the loss
+    logging = 2 * t("all_reduce", 8.0) if logged else 0.0
     model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
+    tp = host.tensor_parallel
+    if tp is not None and (tp.tp, tp.micro_batch) == (layout.tp, training.micro_batch):
+        if layout.pp == 1:
+            # the blocks and ends as timed under the job's tensor parallelism (their
+            # collectives included); a recomputed forward repeats a third of a block
+            again = 4.0 / 3.0 if training.recompute == "full" else 1.0
+            compute = m * (shape.n_layers * tp.block_s() * again + tp.ends_s())
+            model_parallel = prediction.time.pp_comm_s
     bubble = prediction.time.bubble_s
     step = compute + model_parallel + bubble + comm + logging + optimizer
     return {
@@ -328,3 +411,37 @@ def host_step_time(
         "optimizer_s": optimizer,
         "step_s": step,
     }
+
+
+def _wrapped_comm(wrapped: WrappedBlocks, rank, traffic, t) -> float:
+    """Seconds per step the trainer's data-parallel wrapping adds to `rank`, from the
+    run's own blocks timed under it (`WrappedBlocks`): on a CPU this time is exposed
+    (gloo has no streams to hide it under).
+
+    ZeRO 0/1 (DDP: one all-reduce of every gradient in buckets, plus its hooks): linear
+    in the parameters through the one- and two-block figures; ZeRO-1 adds each owner's
+    broadcast of its updated share (traffic model). ZeRO 2/3 (FSDP2 units): each block
+    costs half the two-block figure (its gathers, reduce-scatters and hooks, and a share
+    of the root's work; the difference between the two figures is too noisy on a loaded
+    CPU to separate them), the root unit (embeddings, head) the same unit's fixed part
+    (beyond its traffic) plus its own traffic."""
+    p = wrapped.block_params
+    if traffic.zero <= 1:
+        per_param = max(0.0, wrapped.two_blocks_s - wrapped.one_block_s) / p
+        comm = wrapped.one_block_s + per_param * (rank.params - p)
+        if traffic.zero == 1 and wrapped.optimizer_s(rank.params) is None:
+            d = wrapped.dp
+            comm += d * t("broadcast", traffic.param_bytes_after_step / d)
+        return max(0.0, comm)
+
+    def traffic_of(params: float) -> float:
+        gathers = traffic.forward_gathers + traffic.backward_gathers
+        seconds = gathers * t("all_gather", traffic.gather_bytes_per_param * params)
+        return seconds + traffic.reduce_scatters * t(
+            "reduce_scatter", traffic.grad_bytes_per_param * params
+        )
+
+    per_unit = max(0.0, wrapped.two_blocks_s) / 2
+    fixed = max(0.0, per_unit - traffic_of(p))
+    root = fixed + traffic_of(rank.root_params) if rank.root_params else 0.0
+    return rank.layers * per_unit + root

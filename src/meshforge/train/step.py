@@ -70,6 +70,9 @@ class StepStrategy:
         self.parts, self.optimizers, self.device = parts, optimizers, device
         self.loss_parallel = loss_parallel_enabled(cfg, dims)
         self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+        # bytes one micro-batch's forward saves for backward: counted once (the shapes
+        # do not change), since counting hooks every saved tensor of the pass
+        self.activation_bytes: int | None = None
         self.flight = None  # observe/flight.py FlightRecorder, set by the trainer
 
     def _phase(self, name: str) -> None:
@@ -144,16 +147,16 @@ class AccumulatingStep(StepStrategy):
         accum = len(micro_batches)
         micro_s: list[float] = []
         loss_sum = torch.zeros((), device=self.device)
-        saved = None
         for i, (x, y) in enumerate(micro_batches):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             tm = time.perf_counter()
             with self.parts.gradient_sync(i == accum - 1), self.loss_context():
                 self._phase("forward")
-                if measure and i == 0:
+                if measure and i == 0 and self.activation_bytes is None:
                     with SavedActivations() as saved:
                         loss = self._loss(x, y)
+                    self.activation_bytes = saved.bytes
                 else:
                     loss = self._loss(x, y)
                 self._phase("backward")
@@ -165,7 +168,7 @@ class AccumulatingStep(StepStrategy):
                 micro_s.append(time.perf_counter() - tm)
             loss_sum += _plain(loss.detach())
         return StepResult(
-            loss_sum, None, micro_s, activation_bytes=None if saved is None else saved.bytes
+            loss_sum, None, micro_s, activation_bytes=self.activation_bytes if measure else None
         )
 
     @torch.no_grad()

@@ -315,7 +315,11 @@ class Trainer:
         if not self.dims.parameter_server and not c.model.is_factory:
             whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
             group = self.mesh["dp"] if whole else None
-            self.machine_profile = measure_profile(self.device, c.precision.dtype, group, c)
+            tp_only = self.dims.tp_enabled and not self.dims.pp_enabled
+            self.machine_profile = measure_profile(
+                self.device, c.precision.dtype, group, c,
+                tp_mesh=self.mesh["tp"] if tp_only else None,
+            )  # fmt: skip
         resumed_from = self._resume()
         start = resumed_from or 0
         if rt.is_main:

@@ -1,0 +1,64 @@
+"""The machine profile times the run's own layout: the trainer's data-parallel wrapping
+on one and two of the job's blocks (DDP, ZeroRedundancyOptimizer, FSDP2 units), and the
+model under its tensor parallelism, on the live gloo group (observe/machine.py). These
+figures carry the CPU host model of `predicted` (plan/timing.py); how close it comes is
+a speed figure, reported by benchmarks/planner_accuracy.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meshforge.config import build_config
+
+MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
+
+
+def _wrapped(zero: int, micro: int) -> dict:
+    import torch
+
+    from meshforge.observe.machine import measure_wrapped_blocks
+    from meshforge.parallel.data_parallel import build_mesh
+
+    cfg = build_config({"model": MODEL, "parallel": {"zero": zero},
+                        "train": {"micro_batch": micro, "global_batch": 8}})  # fmt: skip
+    mesh = build_mesh(torch.device("cpu"), 2)
+    m = 8 // (micro * 2)
+    return vars(measure_wrapped_blocks(cfg, m, torch.device("cpu"), mesh, repeats=2))
+
+
+@pytest.mark.parametrize("zero,micro", [(0, 4), (1, 4), (3, 2)])
+def test_the_wrapping_is_timed_on_the_jobs_blocks(gloo, zero, micro):
+    results = gloo.run(2, _wrapped, zero, micro)
+    assert results[0] == results[1]  # agreed: the slowest rank's figures on both
+    got = results[0]
+    assert (got["zero"], got["dp"], got["microbatches"]) == (zero, 2, 8 // (micro * 2))
+    assert got["block_params"] == 12 * 32**2 + 13 * 32  # a GPT block: weights, biases, norms
+    assert all(math.isfinite(got[k]) for k in ("one_block_s", "two_blocks_s"))
+    if zero == 3:  # every unit's gathers and reduce-scatters: well above timing noise
+        assert got["two_blocks_s"] > 0
+    if zero == 1:
+        assert got["optimizer_one_s"] > 0 and got["optimizer_two_s"] > 0
+    else:
+        assert got["optimizer_one_s"] is None and got["optimizer_two_s"] is None
+
+
+def _tensor_parallel() -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshforge.observe.machine import measure_tensor_parallel
+
+    cfg = build_config({"model": MODEL, "parallel": {"tp": 2},
+                        "train": {"micro_batch": 2, "global_batch": 2}})  # fmt: skip
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return vars(measure_tensor_parallel(cfg, torch.device("cpu"), mesh["tp"], repeats=2))
+
+
+def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
+    results = gloo.run(2, _tensor_parallel)
+    assert results[0] == results[1]
+    got = results[0]
+    assert (got["tp"], got["micro_batch"]) == (2, 2)
+    assert got["one_block_s"] > 0 and got["two_blocks_s"] > 0
