@@ -283,3 +283,10 @@ def test_a_model_smaller_than_the_validated_runs_is_flagged(capsys):
     big = _json_here(capsys, "--model", "llama-8b", "--gpus", "64", "--gpu", "h100",
                      "--global-batch", "512")  # fmt: skip
     assert "warnings" not in big
+
+
+def test_a_profile_and_a_gpu_together_are_refused(tmp_path):
+    """A measured profile is the machine: a --gpu beside it would be silently ignored."""
+    proc = meshforge(["plan", "--params", "1e9", "--gpus", "8", "--gpu", "a100",
+                      "--cpu-profile", str(tmp_path / "p.json")])  # fmt: skip
+    assert_one_line_error(proc, "--profile", "--gpu a100")

@@ -112,15 +112,15 @@ def plan_command(
         int, _opt("--gpus-per-node", help="GPUs per node.", panel=_CLUSTER)
     ] = 8,
     gpu: Annotated[
-        str,
+        str | None,
         _opt(
             "--gpu",
             help=f"A GPU of the table: {', '.join(GPU_BY_KEY)} (aliases: "
             + ", ".join(f"{a} = {k}" for a, k in ALIASES.items())
-            + ").",
+            + "). Default h100.",
             panel=_CLUSTER,
         ),
-    ] = "h100",
+    ] = None,
     network: Annotated[
         str,
         _opt(
@@ -221,6 +221,12 @@ def plan_command(
             optimizer="adamw" if optimizer is None else optimizer,
             sdpa=attention == "sdpa",
         )
+    if profile is not None and gpu is not None:
+        raise ConfigError(
+            f"--profile and --gpu {gpu} both given: a measured profile is the machine; "
+            "give one of them"
+        )
+    gpu = gpu or "h100"
     cluster = build_cluster(n, gpu, gpus_per_node, network, intra_network, nics_per_node, profile)
     predictions, is_search = plan(model, training, cluster, choice, memory_convention, top, refusal)
     warnings = plan_warnings(model, predictions, cluster.device)

@@ -15,14 +15,23 @@ optimizer   the trainer's step (gradient norm, clipping, AdamW) on the GPT's own
             parameter shapes, as plain tensors (DDP, ZeRO-1) and as FSDP2's DTensor
             shards (ZeRO-2/3): 32 bytes per parameter the rank updates ÷ time.
 all-reduce  gloo (CPU) or NCCL (GPU) fp32 all-reduce on the run's group at three sizes.
+layout      the run's own layout, as the trainer builds it: its data-parallel wrapping
+            (DDP, ZeroRedundancyOptimizer's step, FSDP2 units: `wrap_data_parallel`) on
+            one and two of the job's blocks through a step of the run's micro-batches,
+            less the same passes unwrapped; under tensor parallelism, the model cut to
+            one and two blocks and sharded by its own plan (`WrappedBlocks`,
+            `TensorParallelModels` in plan/timing.py: the CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
-            CPU also the process's own resident bytes beyond its parameters, after one
-            warm-up pass of a narrow copy of the model (`runtime_bytes`, added to the
-            predicted total to compare with peak RSS).
+            CPU also the process's own resident bytes beyond its parameters, after the
+            measurements and one warm-up pass of a narrow copy of the model
+            (`runtime_bytes`, added to the predicted total to compare with peak RSS).
 
 Every rank measures; the slowest figures are kept (all-reduce MAX), so all ranks hold
-the same profile. It takes about a second, once per machine and configuration: the
-raw figures are cached (observe/machine_cache.py) and reused by later runs, and
+the same profile, except while the workers share cores (more workers x threads than
+cores): then each timing is the mean over the ranks (the scheduler shares the cores
+evenly over a step; the slowest of short timings is a descheduled moment). It takes
+about a second, once per machine and configuration: the raw figures are cached
+(observe/machine_cache.py) and reused by later runs, and
 `meshforge train --recalibrate` measures again (say, after the machine changed, or
 when the cached figures were taken while other jobs shared the cores).
 """
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -102,6 +112,26 @@ def _max_across(values: list[float], device: torch.device, group: Any) -> list[f
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+def _oversubscribed(device: torch.device) -> bool:
+    """More busy threads on this node (workers x torch threads) than CPU cores."""
+    if device.type != "cpu":
+        return False
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return workers * torch.get_num_threads() > len(os.sched_getaffinity(0))
+
+
+def _agreed_seconds(values: list[float], device: torch.device, group: Any) -> list[float]:
+    """The ranks' timings as one figure each: the slowest rank's (a synchronous step
+    waits for it), except when the workers share cores: the scheduler then shares the
+    cores evenly over a step, and the slowest of short timings is the one a descheduled
+    moment fell into, so the mean over the ranks is taken."""
+    if _world(group) == 1 or not _oversubscribed(device):
+        return _max_across(values, device, group)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return (t / _world(group)).tolist()
 
 
 def _barrier(device: torch.device, group: Any) -> None:
@@ -354,7 +384,7 @@ def measure_wrapped_blocks(
             optimizer.append(_time_passes(opt.step, device, 0.0, repeats))
         del parts
     block_params = sum(p.numel() for p in blocks(1).parameters())
-    one, two, *opt_s = _max_across(seconds + optimizer, device, mesh.get_group())
+    one, two, *opt_s = _agreed_seconds(seconds + optimizer, device, mesh.get_group())
     return WrappedBlocks(
         zero, mesh.size(), microbatches, float(block_params), one, two, *(opt_s or (None, None))
     )
@@ -395,7 +425,7 @@ def measure_tensor_parallel(
                 q.grad = None
 
         seconds.append(_time_passes(run, device, 0.0, repeats))
-    one, two = _max_across(seconds, device, tp_mesh.get_group())
+    one, two = _agreed_seconds(seconds, device, tp_mesh.get_group())
     return TensorParallelModels(tp_mesh.size(), b, one, two)
 
 
@@ -439,19 +469,24 @@ def _runtime_bytes(device: torch.device, cfg: JobConfig, world_size: int) -> flo
     if device.type == "cuda":
         return 0.0
     try:
-        _warm_up(cfg.model, cfg.precision.dtype, device)
+        _warm_up(cfg, device)
     except Exception as exc:  # a family the narrow copy cannot build: the baseline as is
         log.debug("no warm-up pass before the runtime baseline: %s", exc)
     rss = float(psutil.Process().memory_info().rss)
     return max(0.0, rss - param_bytes_per_rank(cfg, world_size))
 
 
-def _warm_up(model: ModelConfig, dtype: str, device: torch.device) -> None:
+def _warm_up(cfg: JobConfig, device: torch.device) -> None:
     """One forward and backward of a narrow one-layer copy of the model (8 dims per
-    head, 16 tokens, a vocabulary of at most 512), so that the baseline includes what
-    the first pass of any size allocates once and keeps: kernels initialised on first
-    use and the allocator's arenas (measured on this CPU: 12-28 MiB, which the first
-    training step would otherwise add beyond the prediction)."""
+    head, 16 tokens, a vocabulary of at most 512; recomputed if the job recomputes), so
+    that the baseline includes what the first pass of any size allocates once and
+    keeps: kernels and code paths initialised on first use and the allocator's arenas
+    (measured on this CPU: 12-28 MiB, which the first training step would otherwise add
+    beyond the prediction)."""
+    from meshforge.models.registry import blocks_of
+    from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    model, dtype = cfg.model, cfg.precision.dtype
     if model.is_factory:
         return
     narrow = model.model_copy(
@@ -465,6 +500,8 @@ def _warm_up(model: ModelConfig, dtype: str, device: torch.device) -> None:
     )
     with torch.random.fork_rng(devices=[]), torch.device(device):
         lm = model_class(narrow)(narrow).to(_TORCH_DTYPES[dtype]).train()
+        if cfg.train.activation_checkpointing != "none":
+            apply_activation_checkpointing(blocks_of(lm), "full")
         idx = torch.randint(0, narrow.vocab_size, (1, narrow.seq_len))
         F.cross_entropy(lm(idx).float().flatten(0, 1), idx.flatten()).backward()
 
@@ -514,7 +551,8 @@ def _time_job(
             local[4] = 1.0 / measure_optimizer_bandwidth(model, device, mesh)
         except Exception as exc:
             log.warning("could not time the optimizer on DTensor shards: %s", exc)
-    failed, seconds, matmul_s, plain, sharded = _max_across(local, device, group)
+    (failed,) = _max_across(local[:1], device, group)
+    seconds, matmul_s, plain, sharded = _agreed_seconds(local[1:], device, group)
     if failed:
         return None, None
     wrapped = None

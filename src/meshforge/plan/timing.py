@@ -253,9 +253,19 @@ def _optimizer_seconds(params: float, layout: Layout, training: Training, device
 # runs on FSDP2's DTensor shards, much slower per byte than on plain tensors. So on a CPU
 # the data-parallel and optimizer terms of a prediction are the traffic of
 # dp_traffic.data_parallel_traffic (ZeRO-1 as ZeroRedundancyOptimizer: one broadcast
-# per owner, all in flight), all exposed except DDP's buckets, plus the loss all-reduce
-# of a logged step (report.json's step times are those of logged steps), and the
-# optimizer at the measured rate for plain tensors (DDP, ZeRO-1) or DTensor shards.
+# per owner, all in flight), all exposed except DDP's buckets, plus a logged step's two
+# small all-reduces over the world (report.json's step times are those of logged steps),
+# and the optimizer at the measured rate for plain tensors (DDP, ZeRO-1) or DTensor
+# shards.
+#
+# The traffic model leaves out the wrappers' own work on a CPU (DDP's and FSDP2's hooks,
+# copies in and out of flat buffers, DTensor dispatch), which on a small model costs as
+# much as the collectives. So a run times its own layout at its start (observe/machine.py)
+# and the host model takes those figures where they apply: `WrappedBlocks` (the
+# data-parallel wrapping on one and two of the job's blocks, for the same ZeRO stage, dp
+# and micro-batches per step) and `TensorParallelModels` (the model under the same tp).
+# Any other layout (`parallel: auto`'s candidates, `meshforge plan`) gets the traffic
+# model alone.
 
 
 @dataclass(frozen=True)
@@ -388,9 +398,11 @@ def host_step_time(
             rank_opt = wrapped.optimizer_s(rank.params) + clip
         if rank_comm + rank_opt > comm + optimizer:
             comm, optimizer = rank_comm, rank_opt
-    # a logged step's two small all-reduces: every rank's figures (straggler watch) and
-    # the loss
-    logging = 2 * t("all_reduce", 8.0) if logged else 0.0
+    # a logged step's two small all-reduces over every rank (the straggler watch's
+    # figures, and the loss)
+    world = layout.world_size
+    w_bw, w_lat = cluster.group_busbw(world, 1)
+    logging = 2 * collective_time("all_reduce", 8.0, world, w_bw, w_lat) if logged else 0.0
     model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
     tp = host.tensor_parallel
     if tp is not None and (tp.tp, tp.micro_batch) == (layout.tp, training.micro_batch):
