@@ -60,5 +60,6 @@ def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
     results = gloo.run(2, _tensor_parallel)
     assert results[0] == results[1]
     got = results[0]
-    assert (got["tp"], got["micro_batch"]) == (2, 2)
+    assert (got["tp"], got["micro_batch"], got["dp"], got["microbatches"]) == (2, 2, 1, 1)
     assert got["one_block_s"] > 0 and got["two_blocks_s"] > 0
+    assert got["optimizer_one_s"] > 0 and got["optimizer_two_s"] > 0  # on DTensors

@@ -290,3 +290,21 @@ def test_a_profile_and_a_gpu_together_are_refused(tmp_path):
     proc = meshforge(["plan", "--params", "1e9", "--gpus", "8", "--gpu", "a100",
                       "--cpu-profile", str(tmp_path / "p.json")])  # fmt: skip
     assert_one_line_error(proc, "--profile", "--gpu a100")
+
+
+def test_when_nothing_fits_the_search_shows_the_layout_closest_to_fitting():
+    args = ["plan", "--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab",
+            "32000", "--seq", "4096", "--global-batch", "1024", "--gpus", "8", "--gpu",
+            "a100-40gb"]  # fmt: skip
+    proc = meshforge([*args, "--json"])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    closest = doc["closest"]
+    assert doc["candidates"] == [] and closest["fits"] is False
+    # the least memory of every layout the search tried: ZeRO-3 over all 8 GPUs needs more
+    zero3 = meshforge([*args, "--dp", "8", "--tp", "1", "--pp", "1", "--zero", "3",
+                       "--micro-batch", "1", "--recompute", "full", "--json"])  # fmt: skip
+    least = closest["memory_per_gpu_bytes"]["total"]
+    assert least <= json.loads(zero3.stdout)["memory_per_gpu_bytes"]["total"]
+    text = meshforge(args).stdout
+    assert "no layout of 8 x a100-40gb fits in memory; the one needing least" in text

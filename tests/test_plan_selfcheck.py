@@ -86,7 +86,7 @@ def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
         if name == "tp2":
             timed = predicted["host"]["tensor_parallel"]
             assert timed["tp"] == 2 and timed["micro_batch"] == TRAIN["micro_batch"]
-            assert parts["compute_s"] > 0 and parts["tp_pp_comm_s"] == 0, parts
+            assert parts["compute_s"] > 0 and parts["tp_pp_comm_s"] == 0, timed
         else:
             assert predicted["host"]["tensor_parallel"] is None
             assert parts["bubble_s"] > 0, parts
@@ -199,13 +199,24 @@ def test_the_wrapping_timed_on_the_runs_blocks_is_used_for_its_own_layout_only()
 
 
 def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
-    """Blocks and ends timed under the job's tp (observe.machine.measure_tensor_parallel):
-    m micro-batches of L blocks and the ends, their collectives included."""
-    tp = TensorParallelModels(2, 8, one_block_s=0.012, two_blocks_s=0.020)
+    """Blocks and ends timed through a step under the job's tp and its data-parallel
+    wrapping (observe.machine.measure_tensor_parallel): L blocks and the ends, their
+    collectives included; only for that layout and micro-batching."""
+    tp = TensorParallelModels(2, 8, one_block_s=0.012, two_blocks_s=0.020, microbatches=2)
     out = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8, tensor_parallel=tp))
-    assert out["compute_s"] == pytest.approx(2 * (2 * 0.008 + 0.004))  # 2 micro-batches of 8
+    assert out["compute_s"] == pytest.approx(2 * 0.008 + 0.004)
     assert out["tp_pp_comm_s"] == 0.0
     untimed = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8))
     assert untimed["tp_pp_comm_s"] > 0.0
     other = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8, tensor_parallel=tp), micro=4)
     assert other == _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8), micro=4)
+    # beside dp 2: the data-parallel traffic is in the timed figures
+    both = TensorParallelModels(2, 4, 0.012, 0.020, dp=2, microbatches=2)
+    beside = _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8, tensor_parallel=both), micro=4)
+    assert beside["dp_comm_exposed_s"] == 0.0
+    assert beside["compute_s"] == pytest.approx(2 * 0.008 + 0.004)
+    # the optimizer step as timed on the DTensor parameters, linear in the blocks
+    timed = replace(both, optimizer_one_s=0.003, optimizer_two_s=0.005)
+    out = _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8, tensor_parallel=timed), micro=4)
+    assert out["optimizer_s"] == pytest.approx(0.003 + 0.002 * (2 - 1))
+    assert _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8), micro=4)["dp_comm_exposed_s"] > 0

@@ -350,8 +350,15 @@ def _print_table(
         return
     convention = predictions[0].memory.convention
     if is_search:
+        title = f"best layouts for {n} x {device} ({convention} memory)"
+        if not predictions[0].fits:
+            p = predictions[0]
+            title = (
+                f"no layout of {n} x {device} fits in memory; the one needing least "
+                f"({_gib(p.memory.total)} of {_gib(p.memory.device)} per GPU)"
+            )
         table = Table(
-            title=f"best layouts for {n} x {device} ({convention} memory)",
+            title=title,
             caption=_legend(fields),
         )
         for column in ("layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",

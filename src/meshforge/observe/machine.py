@@ -157,6 +157,27 @@ def _time_passes(
     return statistics.median(times)
 
 
+def _paired_difference(
+    fn: Callable[[], None], base: Callable[[], None], device: torch.device, n: int
+) -> float:
+    """Median of `fn`'s time less `base`'s, the two timed one after the other n times
+    (after one warm-up each): a load that comes and goes on a shared machine then
+    weighs on both sides of each difference. Exactly n calls of `fn` (collectives)."""
+    fn()
+    base()
+    _sync(device)
+    differences = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        base()
+        _sync(device)
+        t1 = time.perf_counter()
+        fn()
+        _sync(device)
+        differences.append(time.perf_counter() - t1 - (t1 - t0))
+    return statistics.median(differences)
+
+
 def peak_matmul_flops(device: torch.device, dtype: str, threads: int) -> tuple[float | None, str]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -332,7 +353,7 @@ class _Blocks(nn.Module):
 
 
 def measure_wrapped_blocks(
-    cfg: JobConfig, microbatches: int, device: torch.device, mesh: Any, repeats: int = 5
+    cfg: JobConfig, microbatches: int, device: torch.device, mesh: Any, repeats: int = 7
 ) -> WrappedBlocks:
     """Seconds that the trainer's data-parallel wrapping (`wrap_data_parallel`: DDP for
     ZeRO 0/1, FSDP2 units for ZeRO 2/3, with the job's parallel.comm settings) adds to
@@ -375,9 +396,9 @@ def measure_wrapped_blocks(
 
     seconds, optimizer = [], []
     for k in (1, 2):
-        plain = _time_passes(step(blocks(k)), device, 0.0, repeats)
+        plain = step(blocks(k))
         parts = wrap_data_parallel([blocks(k)], wrapper, zero, mesh, cfg, device)
-        seconds.append(_time_passes(step(parts.callables[0], parts), device, 0.0, repeats) - plain)
+        seconds.append(_paired_difference(step(parts.callables[0], parts), plain, device, repeats))
         if zero == 1:  # ZeroRedundancyOptimizer: its shard's AdamW and every broadcast
             parts.callables[0](x).float().backward(grad)
             opt = Optimizers(cfg, parts, mesh, device).optimizers[0]  # the trainer's
@@ -391,21 +412,24 @@ def measure_wrapped_blocks(
 
 
 def measure_tensor_parallel(
-    cfg: JobConfig, device: torch.device, tp_mesh: Any, repeats: int = 3
+    cfg: JobConfig, device: torch.device, tp_mesh: Any, dp_mesh: Any = None, repeats: int = 3
 ) -> TensorParallelModels:
-    """Forward+backward seconds of one micro-batch through the job's model cut to one
-    and to two blocks, sharded over `tp_mesh` by the model's own tensor-parallel plan
-    (DTensor collectives, dispatch and all) with the trainer's loss. Collective: every
-    rank of the mesh calls it (a fixed number of repeats)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
+    """Seconds of one step (the run's micro-batches, forward+backward with the
+    trainer's loss) through the job's model cut to one and to two blocks, sharded over
+    `tp_mesh` by the model's own tensor-parallel plan (DTensor collectives, dispatch and
+    all) and, with a `dp_mesh` of more than one rank, wrapped for data parallelism as
+    the trainer wraps it (gradient sync on the last micro-batch). Collective: every rank
+    of the meshes calls it (a fixed number of repeats)."""
     from meshforge.models.registry import tensor_parallel_plan
+    from meshforge.parallel.parallelize import grad_norm_and_clip, wrap_data_parallel
+    from meshforge.train.optim import Optimizers
 
-    p, model, dtype = cfg._parallel(), cfg.model, cfg.precision.dtype
+    p, model = cfg._parallel(), cfg.model
     b = cfg.train.micro_batch
+    dp = dp_mesh.size() if dp_mesh is not None else 1
+    m = cfg.train.global_batch // (b * dp)
     idx = torch.randint(0, model.vocab_size, (b, model.seq_len), device=device)
-    cast = _TORCH_DTYPES[dtype] if dtype != "fp32" else None
-    seconds = []
+    seconds, steps = [], []
     for k in (1, 2):
         some = model.model_copy(update={"n_layers": k})
         with torch.device(device):
@@ -414,19 +438,44 @@ def measure_tensor_parallel(
             lm, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
         )
         lm.tie_weights()
+        wrapper = "fsdp" if p.zero >= 2 else ("replicate" if dp > 1 else "none")  # as the trainer
+        parts = wrap_data_parallel([lm], wrapper, p.zero, dp_mesh, cfg, device)
 
-        def run(lm: nn.Module = lm) -> None:
-            with loss_parallel() if p.loss_parallel else contextlib.nullcontext():
-                with torch.autocast(device.type, dtype=cast or torch.float32,
-                                    enabled=cast is not None):  # fmt: skip
-                    logits = lm(idx)
-                F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
-            for q in lm.parameters():
+        def run(parts: Any = parts) -> None:
+            cast = parts.autocast_dtype  # FSDP and replicate cast through their policy
+            autocast = partial(torch.autocast, device.type, dtype=cast, enabled=bool(cast))
+            losses = losses_of(p)
+            for i in range(m):
+                with parts.gradient_sync(i == m - 1), losses():
+                    with autocast():
+                        logits = parts.callables[0](idx)
+                    F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+            for q in parts.parameters():
                 q.grad = None
 
         seconds.append(_time_passes(run, device, 0.0, repeats))
-    one, two = _agreed_seconds(seconds, device, tp_mesh.get_group())
-    return TensorParallelModels(tp_mesh.size(), b, one, two)
+        # the trainer's optimizer step on these DTensor parameters: the gradient norm
+        # (reduced over the meshes) and clipping, then AdamW
+        with losses_of(p)():
+            F.cross_entropy(parts.callables[0](idx).float().flatten(0, 1), idx.flatten()).backward()
+        optimizer = Optimizers(cfg, parts, dp_mesh, device)
+
+        def step(parts: Any = parts, optimizer: Any = optimizer) -> None:
+            grad_norm_and_clip(parts, max(cfg.train.grad_clip, 1.0), None)
+            optimizer.optimizers[0].step()
+
+        steps.append(_time_passes(step, device, 0.0, repeats))
+        del parts, lm, optimizer
+    one, two, opt_one, opt_two = _agreed_seconds(seconds + steps, device, None)
+    return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
+
+
+def losses_of(p: Any) -> Callable[[], Any]:
+    """The trainer's loss context: cross-entropy on vocabulary-sharded logits under
+    tensor parallelism with parallel.loss_parallel."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel if p.loss_parallel else contextlib.nullcontext
 
 
 # -- the all-reduce ------------------------------------------------------------------------
@@ -515,23 +564,24 @@ def measure_profile(
     group: Any = None,
     cfg: JobConfig | None = None,
     threads: int | None = None,
-    tp_mesh: Any = None,
+    layout_mesh: Any = None,
 ) -> MeasuredProfile:
     """Measure this machine for the planner (see the module docstring). Collective:
     every rank of `group` (a DeviceMesh, a process group, or None for the default
     group) must call it at the same point. With `cfg`, the model's compute and the
     optimizer step are timed at the job's own sizes (with a DeviceMesh as `group`, also
-    the trainer's data-parallel wrapping; with `tp_mesh`, the model under its tensor
-    parallelism). The random number generators are
+    the trainer's data-parallel wrapping; with `layout_mesh`, the run's (pp, dp, tp)
+    mesh of a tensor-parallel layout, the model under its tensor parallelism and its
+    data-parallel wrapping). The random number generators are
     left as they were (the measurement draws its tensors from a forked state)."""
     device = torch.device(device)
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return _measure_profile(device, dtype, group, cfg, threads, tp_mesh)
+        return _measure_profile(device, dtype, group, cfg, threads, layout_mesh)
 
 
 def _time_job(
-    cfg: JobConfig, dtype: str, device: torch.device, group: Any, mesh: Any, tp_mesh: Any
+    cfg: JobConfig, dtype: str, device: torch.device, group: Any, mesh: Any, layout_mesh: Any
 ) -> tuple[ComputeAtSize | None, HostCosts | None]:
     """The model's compute and the optimizer step at the job's sizes, the slowest
     rank's; (None, None) if any rank failed. A local failure must not leave the other
@@ -563,9 +613,10 @@ def _time_job(
         except Exception as exc:  # the traffic model alone
             log.warning("could not time the data-parallel wrapping: %s", exc)
     tensor_parallel = None
-    if tp_mesh is not None and tp_mesh.size() > 1:
+    if layout_mesh is not None and layout_mesh["tp"].size() > 1:
         try:
-            tensor_parallel = measure_tensor_parallel(cfg, device, tp_mesh)
+            tp_mesh, dp_mesh = layout_mesh["tp"], layout_mesh["dp"]
+            tensor_parallel = measure_tensor_parallel(cfg, device, tp_mesh, dp_mesh)
         except Exception as exc:  # the traffic model alone
             log.warning("could not time the model under tensor parallelism: %s", exc)
     unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
@@ -573,7 +624,7 @@ def _time_job(
     return compute, HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel)
 
 
-def _job_key(cfg: JobConfig | None, mesh: Any, tp_mesh: Any = None) -> dict[str, Any] | None:
+def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[str, Any] | None:
     """What the job's own timings depend on (the model's shape, the micro-batch, and
     the shards the sharded optimizer step runs on)."""
     if cfg is None:
@@ -586,7 +637,7 @@ def _job_key(cfg: JobConfig | None, mesh: Any, tp_mesh: Any = None) -> dict[str,
         # the wrapping timed on the run's blocks (measure_wrapped_blocks)
         "zero": cfg._parallel().zero,
         "global_batch": cfg.train.global_batch,
-        "tp": tp_mesh.size() if tp_mesh is not None else None,
+        "tp": layout_mesh["tp"].size() if layout_mesh is not None else None,
     }
 
 
@@ -603,7 +654,7 @@ def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:
     return box[0]
 
 
-def _measure_profile(device, dtype, group, cfg, threads, tp_mesh) -> MeasuredProfile:
+def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> MeasuredProfile:
     from meshforge.observe import machine_cache
 
     mesh = group if hasattr(group, "get_group") else None  # a DeviceMesh
@@ -614,7 +665,7 @@ def _measure_profile(device, dtype, group, cfg, threads, tp_mesh) -> MeasuredPro
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     key = machine_cache.measurement_key(
         machine=gpu, device_type=device.type, backend=backend, dtype=dtype,
-        threads=threads, world=world, job=_job_key(cfg, mesh, tp_mesh),
+        threads=threads, world=world, job=_job_key(cfg, mesh, layout_mesh),
     )  # fmt: skip
     cached = _agreed_cache_entry(key, device, group)
     if cached is not None:
@@ -626,7 +677,9 @@ def _measure_profile(device, dtype, group, cfg, threads, tp_mesh) -> MeasuredPro
     else:
         (when,) = _max_across([time.time()], device, group)  # one time on every rank
         peak, peak_source = peak_matmul_flops(device, dtype, threads)
-        compute, host = _time_job(cfg, dtype, device, group, mesh, tp_mesh) if cfg else (None, None)
+        compute, host = (
+            _time_job(cfg, dtype, device, group, mesh, layout_mesh) if cfg else (None, None)
+        )
         points = measure_allreduce(device, group)
         memory, per_device = _memory_bytes(device)
         measured = MachineMeasurements(

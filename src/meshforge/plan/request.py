@@ -121,14 +121,18 @@ def plan(
 ) -> tuple[list[Prediction], bool]:
     """(predictions, is_search). A fully or partly given layout gives one prediction
     (left-out fields searched, the best kept); no layout fields, or `top`, gives the
-    best `top` (default 5) fitting candidates. `refusal` (a job's: `JobPlan.refusal`)
-    says why the trainer would not run a layout; such layouts are left out."""
+    best `top` (default 5) fitting candidates, or, when none fits, the one layout that
+    needs least memory (its `fits` False: how far it is from fitting). `refusal` (a
+    job's: `JobPlan.refusal`) says why the trainer would not run a layout; such layouts
+    are left out."""
     if top is not None and top < 1:
         raise ConfigError(f"--top must be >= 1, got {top}")
     is_search = choice.is_empty() or top is not None
     if refusal is None:
         if is_search:
             result = search_layouts(model, training, cluster, choice, convention)
+            if not result.candidates:
+                return [min(result.evaluated, key=lambda p: p.memory.total)], True
             return result.candidates[: top or 5], True
         return [best_layout(model, training, cluster, choice, convention)], False
     result = search_layouts(model, training, cluster, choice, convention)
@@ -140,6 +144,9 @@ def plan(
                 f"no layout of {cluster.n_gpus} GPUs that fits can be trained: "
                 f"{refusal(result.candidates[0])}"
             )
+        if not found:  # none fits: the runnable one needing least memory
+            by_memory = sorted(result.evaluated, key=lambda p: p.memory.total)
+            found = [p for p in by_memory if refusal(p) is None][:1]
         return found, True
     best = next(runnable, None)
     if best is None:  # none fits: as best_layout, the runnable one needing least memory
@@ -187,5 +194,7 @@ def plan_json(
     if warnings:
         extra["warnings"] = warnings
     if is_search:
+        if predictions and not predictions[0].fits:  # nothing fits: the closest, apart
+            return {"candidates": [], "closest": {**predictions[0].to_dict(), **extra}}
         return {"candidates": [{**p.to_dict(), **extra} for p in predictions]}
     return {**predictions[0].to_dict(), **extra}

@@ -299,16 +299,39 @@ class WrappedBlocks:
 
 @dataclass(frozen=True)
 class TensorParallelModels:
-    """One micro-batch's forward+backward through the job's model cut to one and to two
-    blocks, sharded by its tensor-parallel plan over `tp` ranks (observe/machine.py):
-    the difference is a block's time under tensor parallelism (its share of the
-    matmuls, its collectives and DTensor's dispatch on a CPU), the rest the
-    embeddings, head and loss."""
+    """One step (`microbatches` forward+backward passes of `micro_batch` sequences)
+    through the job's model cut to one and to two blocks, sharded by its tensor-parallel
+    plan over `tp` ranks and wrapped for data parallelism over `dp` as the trainer wraps
+    it (observe/machine.py): the difference is a block's time under tensor parallelism
+    (its share of the matmuls, its collectives, its data-parallel traffic and DTensor's
+    dispatch on a CPU), the rest the embeddings, head and loss."""
 
     tp: int
     micro_batch: int
     one_block_s: float
     two_blocks_s: float
+    dp: int = 1
+    microbatches: int = 1
+    zero: int = 0
+    # the trainer's optimizer step on the model's DTensor parameters (gradient norm over
+    # the meshes, clipping, AdamW), one and two blocks
+    optimizer_one_s: float | None = None
+    optimizer_two_s: float | None = None
+
+    def optimizer_s(self, n_layers: int) -> float | None:
+        if self.optimizer_one_s is None or self.optimizer_two_s is None:
+            return None
+        per_block = max(0.0, self.optimizer_two_s - self.optimizer_one_s)
+        return max(0.0, self.optimizer_one_s + per_block * (n_layers - 1))
+
+    def matches(self, layout: Layout, micro_batch: int, microbatches: int) -> bool:
+        return (self.tp, self.dp, self.zero, self.micro_batch, self.microbatches) == (
+            layout.tp,
+            layout.dp,
+            layout.zero,
+            micro_batch,
+            microbatches,
+        ) and layout.pp == 1
 
     def block_s(self) -> float:
         return max(0.0, self.two_blocks_s - self.one_block_s)
@@ -368,9 +391,7 @@ def host_step_time(
     comm, optimizer = 0.0, 0.0
     rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
     wrapped = host.wrapped
-    if wrapped is not None and not (
-        wrapped.matches(zero, d, m) and layout.tp == layout.pp == 1
-    ):
+    if wrapped is not None and not (wrapped.matches(zero, d, m) and layout.tp == layout.pp == 1):
         wrapped = None  # timed for another layout: the traffic model alone
     for rank in rank_models(shape, layout.tp, layout.pp):
         traffic = data_parallel_traffic(rank, zero, m, training.precision, "redundancy")
@@ -405,13 +426,16 @@ def host_step_time(
     logging = 2 * collective_time("all_reduce", 8.0, world, w_bw, w_lat) if logged else 0.0
     model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
     tp = host.tensor_parallel
-    if tp is not None and (tp.tp, tp.micro_batch) == (layout.tp, training.micro_batch):
-        if layout.pp == 1:
-            # the blocks and ends as timed under the job's tensor parallelism (their
-            # collectives included); a recomputed forward repeats a third of a block
-            again = 4.0 / 3.0 if training.recompute == "full" else 1.0
-            compute = m * (shape.n_layers * tp.block_s() * again + tp.ends_s())
-            model_parallel = prediction.time.pp_comm_s
+    if tp is not None and tp.matches(layout, training.micro_batch, m):
+        # the blocks and ends as timed under the job's tensor parallelism and its
+        # data-parallel wrapping (their collectives included); a recomputed forward
+        # repeats a third of a block
+        again = 4.0 / 3.0 if training.recompute == "full" else 1.0
+        compute = shape.n_layers * tp.block_s() * again + tp.ends_s()
+        model_parallel, comm = prediction.time.pp_comm_s, 0.0
+        timed_optimizer = tp.optimizer_s(shape.n_layers)
+        if timed_optimizer is not None:
+            optimizer = timed_optimizer
     bubble = prediction.time.bubble_s
     step = compute + model_parallel + bubble + comm + logging + optimizer
     return {

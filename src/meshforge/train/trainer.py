@@ -318,7 +318,7 @@ class Trainer:
             tp_only = self.dims.tp_enabled and not self.dims.pp_enabled
             self.machine_profile = measure_profile(
                 self.device, c.precision.dtype, group, c,
-                tp_mesh=self.mesh["tp"] if tp_only else None,
+                layout_mesh=self.mesh if tp_only else None,
             )  # fmt: skip
         resumed_from = self._resume()
         start = resumed_from or 0
