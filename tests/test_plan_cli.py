@@ -308,3 +308,31 @@ def test_when_nothing_fits_the_search_shows_the_layout_closest_to_fitting():
     assert least <= json.loads(zero3.stdout)["memory_per_gpu_bytes"]["total"]
     text = meshforge(args).stdout
     assert "no layout of 8 x a100-40gb fits in memory; the one needing least" in text
+
+
+def test_a_bare_parameter_count_leaves_the_batch_fields_empty():
+    """Model states do not depend on the batch: no placeholder batch in the answer."""
+    proc = meshforge(["plan", "--params", "7e9", "--gpus", "8", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(proc.stdout)["candidates"][0]
+    assert best["training"]["global_batch"] is None and best["layout"]["microbatches"] is None
+    assert best["step_time_s"] is None and best["memory_per_gpu_bytes"]["total"] > 0
+
+
+def test_a_non_integer_mlp_ratio_sizes_the_mlp():
+    """--mlp-ratio 2.6875 (a SwiGLU-sized MLP of width 2.6875 h) plans that width; a
+    preset keeps the trainer's integer model.mlp_ratio."""
+    shape = ["--layers", "4", "--hidden", "512", "--heads", "8", "--vocab", "1000", "--seq",
+             "128", "--global-batch", "8", "--gpus", "1", "--json"]  # fmt: skip
+    params = {}
+    for ratio in ("2", "2.6875", "3"):
+        proc = meshforge(["plan", *shape, "--mlp-ratio", ratio])
+        assert proc.returncode == 0, proc.stderr
+        params[ratio] = json.loads(proc.stdout)["candidates"][0]["model_params"]
+    # two MLP matrices of h x width per layer, and the width's bias
+    per_width = 4 * (2 * 512 + 1)
+    assert params["2.6875"] - params["2"] == pytest.approx(per_width * 0.6875 * 512)
+    assert params["2"] < params["2.6875"] < params["3"]
+    refused = meshforge(["plan", "--model", "gpt2-124m", "--mlp-ratio", "2.5", "--gpus", "1",
+                         "--global-batch", "8"])  # fmt: skip
+    assert_one_line_error(refused, "--mlp-ratio 2.5", "integer")

@@ -43,7 +43,11 @@ Hidden = Annotated[int | None, _opt("--hidden", help="Hidden size h.", panel=_MO
 Heads = Annotated[int | None, _opt("--heads", help="Attention heads.", panel=_MODEL)]
 Vocab = Annotated[int | None, _opt("--vocab", help="Vocabulary size.", panel=_MODEL)]
 Seq = Annotated[int | None, _opt("--seq", help="Sequence length.", panel=_MODEL)]
-MlpRatio = Annotated[int | None, _opt("--mlp-ratio", help="MLP width / h.", panel=_MODEL)]
+MlpRatio = Annotated[
+    float | None,
+    _opt("--mlp-ratio", help="MLP width / h (default 4; 2.6875 for a SwiGLU-sized MLP).",
+         panel=_MODEL),
+]  # fmt: skip
 Params = Annotated[
     float | None,
     _opt("--params", help="Bare parameter count (model-state maths only).", panel=_MODEL),

@@ -23,7 +23,7 @@ layout      the run's own layout, as the trainer builds it: its data-parallel wr
             `TensorParallelModels` in plan/timing.py: the CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
             CPU also the process's own resident bytes beyond its parameters, after the
-            measurements and one warm-up pass of a narrow copy of the model
+            measurements and one warm-up pass of the model cut to one block
             (`runtime_bytes`, added to the predicted total to compare with peak RSS).
 
 Every rank measures; the slowest figures are kept (all-reduce MAX), so all ranks hold
@@ -526,32 +526,25 @@ def _runtime_bytes(device: torch.device, cfg: JobConfig, world_size: int) -> flo
 
 
 def _warm_up(cfg: JobConfig, device: torch.device) -> None:
-    """One forward and backward of a narrow one-layer copy of the model (8 dims per
-    head, 16 tokens, a vocabulary of at most 512; recomputed if the job recomputes), so
-    that the baseline includes what the first pass of any size allocates once and
-    keeps: kernels and code paths initialised on first use and the allocator's arenas
-    (measured on this CPU: 12-28 MiB, which the first training step would otherwise add
-    beyond the prediction)."""
+    """One forward and backward of the model cut to one block, at the run's micro-batch
+    (recomputed if the job recomputes), so that the baseline includes what the first
+    pass allocates once and keeps: kernels and code paths initialised on first use
+    (the first recomputed block imports torch._dynamo: about 50 MiB) and the
+    allocator's arenas, which a run whose measurements came from the cache would
+    otherwise grow in its first steps beyond the prediction (measured on this CPU:
+    15-45 MiB for the small GPT of benchmarks/planner_accuracy.py)."""
     from meshforge.models.registry import blocks_of
     from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 
     model, dtype = cfg.model, cfg.precision.dtype
     if model.is_factory:
         return
-    narrow = model.model_copy(
-        update={
-            "n_layers": 1,
-            "d_model": 8 * model.n_heads,
-            "seq_len": min(model.seq_len, 16),
-            "vocab_size": min(model.vocab_size, 512),
-            "ffn_hidden": None if model.ffn_hidden is None else 16 * model.n_heads,
-        }
-    )
+    one = model.model_copy(update={"n_layers": 1})
     with torch.random.fork_rng(devices=[]), torch.device(device):
-        lm = model_class(narrow)(narrow).to(_TORCH_DTYPES[dtype]).train()
+        lm = model_class(one)(one).to(_TORCH_DTYPES[dtype]).train()
         if cfg.train.activation_checkpointing != "none":
             apply_activation_checkpointing(blocks_of(lm), "full")
-        idx = torch.randint(0, narrow.vocab_size, (1, narrow.seq_len))
+        idx = torch.randint(0, one.vocab_size, (cfg.train.micro_batch, one.seq_len))
         F.cross_entropy(lm(idx).float().flatten(0, 1), idx.flatten()).backward()
 
 

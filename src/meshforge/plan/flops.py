@@ -36,10 +36,10 @@ class GPTShape:
 
     @property
     def mlp_width(self) -> int:
+        if self.ffn_hidden is not None:  # llama's SwiGLU; a GPT of a non-integer ratio
+            return self.ffn_hidden
         if self.family == "gpt":
             return self.mlp_ratio * self.d_model
-        if self.ffn_hidden is not None:
-            return self.ffn_hidden
         return -(-int(8 * self.d_model / 3) // 64) * 64
 
     @property

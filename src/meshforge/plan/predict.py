@@ -131,13 +131,14 @@ class Prediction:
         hw = self._per_gpu_rate(self.hardware_flops_per_step)
         model = self._per_gpu_rate(self.model_flops_per_step)
         time = self.time
+        batch = time is not None  # a bare parameter count: the batch plays no part
         return {
             "layout": {
                 **self.layout.to_dict(),
                 "micro_batch": self.training.micro_batch,
                 "recompute": self.training.recompute,
                 "pp_schedule": self.layout.pp_schedule,
-                "microbatches": self.training.microbatches(self.layout.dp),
+                "microbatches": self.training.microbatches(self.layout.dp) if batch else None,
             },
             "fits": self.fits,
             "step_time_s": self.step_time_s,
@@ -154,7 +155,7 @@ class Prediction:
             "memory_convention": self.memory.convention,
             "time_breakdown_s": None if time is None else time.to_dict(),
             "training": {
-                "global_batch": self.training.global_batch,
+                "global_batch": self.training.global_batch if batch else None,
                 "precision": self.training.precision,
                 "optimizer": self.training.optimizer,
                 "sdpa": self.training.sdpa,

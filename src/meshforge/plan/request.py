@@ -25,7 +25,7 @@ def build_model(
     heads: int | None = None,
     vocab: int | None = None,
     seq: int | None = None,
-    mlp_ratio: int = 4,
+    mlp_ratio: float = 4,
     params: float | None = None,
     preset: str | None = None,
 ) -> Model:
@@ -50,18 +50,22 @@ def build_model(
     for name, value in given.items():
         if value < 1:  # type: ignore[operator]
             raise ConfigError(f"--{name} must be >= 1, got {value}")
-    if mlp_ratio < 1:
+    if not mlp_ratio >= 1:
         raise ConfigError(f"--mlp-ratio must be >= 1, got {mlp_ratio}")
     if hidden % heads:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
-    return GPTShape(layers, hidden, heads, vocab, seq, mlp_ratio)  # type: ignore[arg-type]
+    if float(mlp_ratio).is_integer():
+        return GPTShape(layers, hidden, heads, vocab, seq, int(mlp_ratio))  # type: ignore[arg-type]
+    # a non-integer ratio (say 2.6875, a SwiGLU-sized MLP): the width it gives, rounded
+    width = round(mlp_ratio * hidden)  # type: ignore[operator]
+    return GPTShape(layers, hidden, heads, vocab, seq, ffn_hidden=width)  # type: ignore[arg-type]
 
 
 _FLAG_FIELDS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                 "vocab": "vocab_size", "seq": "seq_len"}  # fmt: skip
 
 
-def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: int) -> GPTShape:
+def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: float) -> GPTShape:
     """The shape a job file with `model: {preset: NAME, ...}` trains: the same config
     code reads both, so the planner and the trainer agree."""
     from meshforge.config import build_config
@@ -70,7 +74,12 @@ def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: int) -> 
     model: dict[str, object] = {"preset": preset}
     model.update({_FLAG_FIELDS[k]: v for k, v in given.items() if v is not None})
     if mlp_ratio != 4:
-        model["mlp_ratio"] = mlp_ratio
+        if not float(mlp_ratio).is_integer():
+            raise ConfigError(
+                f"--mlp-ratio {mlp_ratio} with --model: a preset's model.mlp_ratio is an "
+                "integer (the trainer's GPT); give the shape flags for another width"
+            )
+        model["mlp_ratio"] = int(mlp_ratio)
     try:
         return shape_of(build_config({"model": model}).model)
     except ConfigError as exc:
