@@ -336,3 +336,25 @@ def test_a_non_integer_mlp_ratio_sizes_the_mlp():
     refused = meshforge(["plan", "--model", "gpt2-124m", "--mlp-ratio", "2.5", "--gpus", "1",
                          "--global-batch", "8"])  # fmt: skip
     assert_one_line_error(refused, "--mlp-ratio 2.5", "integer")
+
+
+def test_the_profile_cache_a_run_writes_is_a_profile_plan_reads(tmp_path):
+    """machine_profiles.json (written by every training run) holds one entry per
+    measured machine: with one entry `--cpu-profile` reads its profile; with more, it
+    names them. Planned with the planner's own time model, it says so."""
+    profile = {"matmul_flops_per_s": 5e10, "allreduce_busbw_bytes_per_s": 1e9,
+               "memory_bytes": 1.6e10, "name": "cpu:gloo:1thr"}  # fmt: skip
+    cache = tmp_path / "machine_profiles.json"
+    cache.write_text(json.dumps({"this|cpu|gloo|world=2": {"profile": profile, "host": {}}}))
+    shape = ["--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "256", "--seq",
+             "64", "--global-batch", "16", "--precision", "fp32", "--gpus", "2"]  # fmt: skip
+    proc = _plan(*shape, "--cpu-profile", str(cache), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["candidates"][0]["n_gpus"] == 2
+    assert any("CPU host model" in w for w in doc["candidates"][0]["warnings"])
+    two = {"a|cpu": {"profile": profile}, "b|cpu": {"profile": profile}}
+    cache.write_text(json.dumps(two))
+    assert_one_line_error(
+        _plan(*shape, "--cpu-profile", str(cache)), "2 measured machines", "a|cpu"
+    )

@@ -359,7 +359,8 @@ def _print_table(
             p = predictions[0]
             title = (
                 f"no layout of {n} x {device} fits in memory; the one needing least "
-                f"({_gib(p.memory.total)} of {_gib(p.memory.device)} per GPU)"
+                f"({_gib(p.memory.total)} of {_gib(p.memory.device)} per GPU, "
+                f"{convention} memory)"
             )
         table = Table(
             title=title,

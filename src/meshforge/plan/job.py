@@ -105,7 +105,24 @@ def predict_for_job(
         "layout": {**layout.to_dict(), "micro_batch": t.micro_batch, "recompute": mode},
         "profile": profile.to_dict(),
         "host": None if host is None else asdict(host),
+        "warnings": host_warnings(host),
     }
+
+
+def host_warnings(host: HostCosts | None) -> list[str]:
+    """What makes a CPU host's timed figures doubtful: a second block timed as costing
+    less than nothing means the machine's load changed while they were taken."""
+    out = []
+    for name, timed in (("data-parallel wrapping", host and host.wrapped),
+                        ("tensor-parallel model", host and host.tensor_parallel)):  # fmt: skip
+        if timed and timed.two_blocks_s < timed.one_block_s:
+            out.append(
+                f"the {name} was timed faster on two blocks than on one "
+                f"({timed.two_blocks_s * 1e3:.1f} vs {timed.one_block_s * 1e3:.1f} ms): the "
+                "machine's load changed while it was measured; the step-time prediction is "
+                "doubtful (`meshforge train --recalibrate` on a quieter machine measures again)"
+            )
+    return out
 
 
 # -- what `meshforge plan --config` plans ----------------------------------------------------

@@ -100,4 +100,16 @@ class MachineProfile:
             raise ConfigError(f"profile file not found: {path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError):
             raise ConfigError(f"profile file is not valid JSON: {path}") from None
+        if (
+            isinstance(raw, dict)
+            and raw
+            and all(isinstance(v, dict) and "profile" in v for v in raw.values())
+        ):  # the cache a training run writes (machine_profiles.json): one entry per machine
+            if len(raw) > 1:
+                raise ConfigError(
+                    f"{path} holds {len(raw)} measured machines; save the `profile` of one "
+                    f"of them to a file of its own (keys: {', '.join(sorted(raw))})"
+                )
+            (entry,) = raw.values()
+            return cls.from_dict(entry["profile"], where=f"{path} profile")
         return cls.from_dict(raw, where=str(path))

@@ -19,6 +19,9 @@ from meshforge.plan.search import LayoutChoice, best_layout, search_layouts
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 
 
+MAX_MLP_RATIO = 64  # wider than any published MLP (GPT-3, PaLM: 4; SwiGLU: 8/3-3.5)
+
+
 def build_model(
     layers: int | None = None,
     hidden: int | None = None,
@@ -50,8 +53,8 @@ def build_model(
     for name, value in given.items():
         if value < 1:  # type: ignore[operator]
             raise ConfigError(f"--{name} must be >= 1, got {value}")
-    if not mlp_ratio >= 1:
-        raise ConfigError(f"--mlp-ratio must be >= 1, got {mlp_ratio}")
+    if not 1 <= mlp_ratio <= MAX_MLP_RATIO:
+        raise ConfigError(f"--mlp-ratio must be between 1 and {MAX_MLP_RATIO}, got {mlp_ratio}")
     if hidden % heads:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
     if float(mlp_ratio).is_integer():
@@ -74,7 +77,12 @@ def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: float) -
     model: dict[str, object] = {"preset": preset}
     model.update({_FLAG_FIELDS[k]: v for k, v in given.items() if v is not None})
     if mlp_ratio != 4:
-        if not float(mlp_ratio).is_integer():
+        from meshforge.models.presets import PRESETS
+
+        if (
+            PRESETS.get(preset, {}).get("name", "gpt") == "gpt"
+            and not float(mlp_ratio).is_integer()
+        ):
             raise ConfigError(
                 f"--mlp-ratio {mlp_ratio} with --model: a preset's model.mlp_ratio is an "
                 "integer (the trainer's GPT); give the shape flags for another width"
@@ -176,6 +184,13 @@ def plan_warnings(model: Any, predictions: list[Prediction], device: Any) -> lis
 
     if not isinstance(model, GPTShape) or not predictions:
         return []
+    if device.calibration.startswith("measured") and device.name.startswith("cpu"):
+        return [
+            "a measured CPU profile is planned with the planner's own time model, in which "
+            "data-parallel collectives overlap compute as NCCL's do on a GPU; meshforge's "
+            "CPU trainer exposes them (gloo), so ZeRO-2/3 rank better here than they run. "
+            "`parallel: auto` and every run's `predicted` use the CPU host model"
+        ]
     if device.calibration.startswith(("generic", "measured")):
         return []
     best = predictions[0]
