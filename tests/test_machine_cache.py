@@ -38,6 +38,9 @@ def test_a_second_measurement_comes_from_the_cache(gloo, tmp_path):
         # the same figures, refitted: what the planner predicts with is unchanged
         assert second["compute_at_size"] == first["compute_at_size"]
         assert second["allreduce"] == first["allreduce"]
+        # how busy the machine was when they were taken, kept with them
+        assert first["load_average"] >= 0 and first["cpus"] >= 1
+        assert (second["load_average"], second["cpus"]) == (first["load_average"], first["cpus"])
         assert third["cached"] is False  # another micro-batch: the job's timings differ
     entries = json.loads((tmp_path / machine_cache.CACHE_FILE).read_text())
     assert len(entries) == 2  # one per configuration; the second run added nothing

@@ -677,7 +677,7 @@ def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> Measure
         memory, per_device = _memory_bytes(device)
         measured = MachineMeasurements(
             device.type, backend, threads, world, peak, peak_source, memory, per_device,
-            compute, host, points,
+            compute, host, points, os.getloadavg()[0], os.cpu_count(),
         )  # fmt: skip
         if world == 1 or dist.get_rank() == 0:
             machine_cache.save(key, measured, when)

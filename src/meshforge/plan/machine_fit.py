@@ -77,6 +77,10 @@ class MachineMeasurements:
     compute: ComputeAtSize | None = None  # None: not timed (no job, or it failed)
     host: HostCosts | None = None  # the optimizer rates; None: not timed
     allreduce_points: list[tuple[float, float]] | None = None  # None: a single rank
+    # the host's 1-minute load average and its CPUs when measured (this run's own
+    # workers included): how busy the machine was while the figures were taken
+    load_average: float | None = None
+    cpus: int | None = None
 
     @property
     def name(self) -> str:
@@ -176,6 +180,8 @@ def measurement_record(m: MachineMeasurements, host: HostCosts) -> dict[str, Any
         "optimizer_bytes_per_s": host.optimizer_bytes_per_s,
         "sharded_optimizer_bytes_per_s": host.sharded_optimizer_bytes_per_s,
         "allreduce": allreduce_record(m.allreduce_points, m.world_size),
+        "load_average": m.load_average,
+        "cpus": m.cpus,
     }
 
 
