@@ -68,6 +68,8 @@ def test_prediction_matches_the_run_at_world_2(job_factory, zero):
     assert predicted["layout"]["dp"] == 2 and predicted["layout"]["zero"] == zero
     assert predicted["profile"]["allreduce_busbw_bytes_per_s"] > 0
     assert predicted["measurement"]["allreduce"]["points"]  # measured on the live group
+    assert predicted["host"]["recompute_layer_s"] >= 0  # a layer timed recomputed too
+    assert predicted["host"]["wrapped"]["zero"] == zero  # the wrapping timed on its blocks
 
 
 def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
@@ -220,3 +222,21 @@ def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
     out = _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8, tensor_parallel=timed), micro=4)
     assert out["optimizer_s"] == pytest.approx(0.003 + 0.002 * (2 - 1))
     assert _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8), micro=4)["dp_comm_exposed_s"] > 0
+
+
+def test_full_recomputation_costs_what_was_timed_on_a_layer():
+    """A run times one layer recomputed as the trainer recomputes it; on a CPU host a
+    `full` step is the `none` step plus that, for every layer and micro-batch, and
+    `selective` half of it."""
+    host = HostCosts(2e9, 2e8, recompute_layer_s=0.004)
+    steps = {}
+    for mode in ("none", "selective", "full"):
+        cfg = build_config({"model": MODEL, "train": {**TRAIN, "activation_checkpointing": mode}})
+        steps[mode] = predict_for_job(cfg, 1, PROFILE, host=host)["time_breakdown_s"]
+    m, layers = TRAIN["global_batch"] // TRAIN["micro_batch"], MODEL["n_layers"]
+    extra = m * layers * 0.004
+    assert steps["full"]["compute_s"] == pytest.approx(steps["none"]["compute_s"] + extra)
+    assert steps["selective"]["compute_s"] == pytest.approx(steps["none"]["compute_s"] + extra / 2)
+    assert steps["full"]["step_s"] == pytest.approx(sum(
+        v for k, v in steps["full"].items() if k != "step_s"
+    ))  # fmt: skip

@@ -63,6 +63,7 @@ from meshforge.observe.peak import (
     gpu_peak_flops,
     measure_cpu_matmul_flops,
 )
+from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.auto import HostCosts
 from meshforge.plan.efficiency import matmul_unit_flops
 from meshforge.plan.flops import microbatch_flops, shape_of
@@ -264,11 +265,16 @@ def measure_model_compute(
     t_ends = _time_passes(_ends_pass(ends, idx, targets), device, MATMUL_BUDGET_S * 0.2)
     t_mm = _time_passes(_matmul_pass(block, b * s, heads), device, MATMUL_BUDGET_S * 0.3)
     t_mm_ends = _time_passes(_matmul_pass(ends, b * s), device, MATMUL_BUDGET_S * 0.1)
+    # the same layer recomputed as the trainer recomputes it (torch.utils.checkpoint):
+    # what full recomputation adds per layer, its hooks included
+    apply_activation_checkpointing([block], "full")
+    t_recomputed = _time_passes(_layer_pass(block, x), device, MATMUL_BUDGET_S * 0.2)
     flops = microbatch_flops(shape_of(model), b)
     return {
         "seconds": L * t_layer + t_ends,
         "flops": 3.0 * (L * flops.layer_forward + flops.logits_forward),
         "matmul_seconds": L * t_mm + t_mm_ends,
+        "recompute_layer_seconds": max(0.0, t_recomputed - t_layer),
     }
 
 
@@ -534,7 +540,6 @@ def _warm_up(cfg: JobConfig, device: torch.device) -> None:
     otherwise grow in its first steps beyond the prediction (measured on this CPU:
     15-45 MiB for the small GPT of benchmarks/planner_accuracy.py)."""
     from meshforge.models.registry import blocks_of
-    from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 
     model, dtype = cfg.model, cfg.precision.dtype
     if model.is_factory:
@@ -585,17 +590,18 @@ def _time_job(
     try:
         timed = measure_model_compute(model, b, dtype, device)
         plain = 1.0 / measure_optimizer_bandwidth(model, device)  # seconds per byte
-        local = [0.0, timed["seconds"], timed["matmul_seconds"], plain, plain]
+        recompute = timed["recompute_layer_seconds"]
+        local = [0.0, timed["seconds"], timed["matmul_seconds"], plain, plain, recompute]
     except Exception as exc:  # e.g. a dtype this device cannot run: keep the peak
         log.warning("could not time the model's compute: %s", exc)
-        local = [1.0, 0.0, 0.0, 0.0, 0.0]
+        local = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     if mesh is not None:
         try:
             local[4] = 1.0 / measure_optimizer_bandwidth(model, device, mesh)
         except Exception as exc:
             log.warning("could not time the optimizer on DTensor shards: %s", exc)
     (failed,) = _max_across(local[:1], device, group)
-    seconds, matmul_s, plain, sharded = _agreed_seconds(local[1:], device, group)
+    seconds, matmul_s, plain, sharded, recompute = _agreed_seconds(local[1:], device, group)
     if failed:
         return None, None
     wrapped = None
@@ -614,7 +620,8 @@ def _time_job(
             log.warning("could not time the model under tensor parallelism: %s", exc)
     unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
     compute = ComputeAtSize(b, timed["flops"], seconds, matmul_s, unit)
-    return compute, HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel)
+    host = HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel, recompute)
+    return compute, host
 
 
 def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from typing import Any
 from meshforge.config import JobConfig, ParallelConfig, check_comm
 from meshforge.errors import ConfigError
 from meshforge.plan.auto import HostCosts, host_step_time
+from meshforge.plan.dp_traffic import rank_models
 from meshforge.plan.flops import GPTShape, params_per_rank, shape_of
 from meshforge.plan.layout import Layout, Training
 from meshforge.plan.memory import model_state_bytes
@@ -73,7 +74,26 @@ def predict_for_job(
         )  # fmt: skip
         if host is None:
             return pred, pred.time.to_dict()
-        return pred, host_step_time(pred, shape, cluster, host, p.comm.bucket_mb)
+        times = host_step_time(pred, shape, cluster, host, p.comm.bucket_mb)
+        if recompute == "full" and host.recompute_layer_s is not None and not tp_timed:
+            # recomputation as timed on a layer, in place of the curve's FLOPs
+            _, plain = run("none")
+            m = pred.training.microbatches(layout.dp)
+            layers = max(r.layers for r in rank_models(shape, layout.tp, layout.pp))
+            compute = plain["compute_s"] + m * layers * host.recompute_layer_s
+            times["step_s"] += compute - times["compute_s"]
+            times["compute_s"] = compute
+        return pred, times
+
+    tp_timed = (
+        host is not None
+        and host.tensor_parallel is not None
+        and (
+            host.tensor_parallel.matches(
+                layout, t.micro_batch, t.global_batch // (t.micro_batch * dp)
+            )
+        )
+    )
 
     mode = t.activation_checkpointing
     parts = [run("none"), run("full")] if mode == "selective" else [run(mode)]

@@ -348,6 +348,9 @@ class HostCosts:
     sharded_optimizer_bytes_per_s: float  # the same on FSDP2 DTensor shards
     wrapped: WrappedBlocks | None = None  # the run's own layout, timed on its blocks
     tensor_parallel: TensorParallelModels | None = None  # the same, under its tp
+    # seconds full recomputation adds to one layer's forward+backward at the run's
+    # micro-batch, as the trainer recomputes (torch.utils.checkpoint, its hooks included)
+    recompute_layer_s: float | None = None
 
     @classmethod
     def from_profile(cls, profile: MachineProfile) -> HostCosts:
