@@ -368,14 +368,14 @@ def measure_wrapped_blocks(
     as the trainer accumulates; the same passes unwrapped are subtracted. Under ZeRO-1
     also the ZeroRedundancyOptimizer's step. Collective: every rank of the mesh calls
     it (a fixed number of repeats)."""
-    from meshforge.parallel.parallelize import wrap_data_parallel
+    from meshforge.parallel.parallelize import data_parallel_kind, wrap_data_parallel
     from meshforge.train.optim import Optimizers
 
     model, zero, dtype = cfg.model, cfg._parallel().zero, cfg.precision.dtype
     x = torch.randn(cfg.train.micro_batch, model.seq_len, model.d_model, device=device)
     grad = torch.randn_like(x)
     cast = _TORCH_DTYPES[dtype] if dtype != "fp32" else None
-    wrapper = "fsdp" if zero >= 2 else "ddp"
+    wrapper = data_parallel_kind(zero, mesh.size(), model_parallel=False)
 
     def blocks(k: int) -> _Blocks:
         with torch.device(device):
@@ -427,8 +427,14 @@ def measure_tensor_parallel(
     the trainer wraps it (gradient sync on the last micro-batch). Collective: every rank
     of the meshes calls it (a fixed number of repeats)."""
     from meshforge.models.registry import tensor_parallel_plan
-    from meshforge.parallel.parallelize import grad_norm_and_clip, wrap_data_parallel
+    from meshforge.parallel.parallelize import (
+        data_parallel_kind,
+        grad_norm_and_clip,
+        loss_context,
+        wrap_data_parallel,
+    )
     from meshforge.train.optim import Optimizers
+    from meshforge.train.step import cross_entropy
 
     p, model = cfg._parallel(), cfg.model
     b = cfg.train.micro_batch
@@ -444,26 +450,25 @@ def measure_tensor_parallel(
             lm, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
         )
         lm.tie_weights()
-        wrapper = "fsdp" if p.zero >= 2 else ("replicate" if dp > 1 else "none")  # as the trainer
+        wrapper = data_parallel_kind(p.zero, dp, model_parallel=True)
         parts = wrap_data_parallel([lm], wrapper, p.zero, dp_mesh, cfg, device)
 
         def run(parts: Any = parts) -> None:
             cast = parts.autocast_dtype  # FSDP and replicate cast through their policy
             autocast = partial(torch.autocast, device.type, dtype=cast, enabled=bool(cast))
-            losses = losses_of(p)
             for i in range(m):
-                with parts.gradient_sync(i == m - 1), losses():
+                with parts.gradient_sync(i == m - 1), loss_context(p.loss_parallel):
                     with autocast():
                         logits = parts.callables[0](idx)
-                    F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+                    cross_entropy(logits, idx).backward()
             for q in parts.parameters():
                 q.grad = None
 
         seconds.append(_time_passes(run, device, 0.0, repeats))
         # the trainer's optimizer step on these DTensor parameters: the gradient norm
         # (reduced over the meshes) and clipping, then AdamW
-        with losses_of(p)():
-            F.cross_entropy(parts.callables[0](idx).float().flatten(0, 1), idx.flatten()).backward()
+        with loss_context(p.loss_parallel):
+            cross_entropy(parts.callables[0](idx), idx).backward()
         optimizer = Optimizers(cfg, parts, dp_mesh, device)
 
         def step(parts: Any = parts, optimizer: Any = optimizer) -> None:
@@ -474,14 +479,6 @@ def measure_tensor_parallel(
         del parts, lm, optimizer
     one, two, opt_one, opt_two = _agreed_seconds(seconds + steps, device, None)
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
-
-
-def losses_of(p: Any) -> Callable[[], Any]:
-    """The trainer's loss context: cross-entropy on vocabulary-sharded logits under
-    tensor parallelism with parallel.loss_parallel."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel if p.loss_parallel else contextlib.nullcontext
 
 
 # -- the all-reduce ------------------------------------------------------------------------

@@ -232,11 +232,26 @@ def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
 
 
 def _data_parallel_kind(dims: ParallelDims) -> str:
-    if dims.zero >= 2:
+    return data_parallel_kind(dims.zero, dims.dp, dims.tp_enabled or dims.pp_enabled)
+
+
+def data_parallel_kind(zero: int, dp: int, model_parallel: bool) -> str:
+    """The trainer's data-parallel wrapper: FSDP2 for ZeRO 2/3; beside tp or pp, FSDP2's
+    replicate (or none over one rank); DDP otherwise."""
+    if zero >= 2:
         return "fsdp"
-    if dims.tp_enabled or dims.pp_enabled:
-        return "replicate" if dims.dp > 1 else "none"
+    if model_parallel:
+        return "replicate" if dp > 1 else "none"
     return "ddp"
+
+
+def loss_context(loss_parallel: bool) -> contextlib.AbstractContextManager:
+    """Cross-entropy on vocabulary-sharded logits under tensor parallelism."""
+    if not loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel as sharded_loss
+
+    return sharded_loss()
 
 
 def _shard(

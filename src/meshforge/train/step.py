@@ -31,7 +31,12 @@ from torch.distributed.tensor import DTensor
 from meshforge.config import JobConfig
 from meshforge.observe.memory import SavedActivations
 from meshforge.parallel.dims import ParallelDims
-from meshforge.parallel.parallelize import ModelParts, grad_norm_and_clip, loss_parallel_enabled
+from meshforge.parallel.parallelize import (
+    ModelParts,
+    grad_norm_and_clip,
+    loss_context,
+    loss_parallel_enabled,
+)
 from meshforge.train.optim import Optimizers
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
@@ -92,11 +97,7 @@ class StepStrategy:
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Cross-entropy on vocabulary-sharded logits under tensor parallel."""
-        if not self.loss_parallel:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
+        return loss_context(self.loss_parallel)
 
     @property
     def computes_loss(self) -> bool:
