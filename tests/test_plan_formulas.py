@@ -182,3 +182,51 @@ def test_efficiency_rises_with_matmul_size_and_stays_below_f_max():
     assert all(0 < f < curve.f_max for f in fractions)
     assert A100_CURVE.fraction(1e9, peak) <= A100_CURVE.f_max
     assert not math.isclose(fractions[0], fractions[-1])
+
+
+# -- overlapped traffic and other frameworks (timing.Framework) ---------------------------
+
+
+def _dp_step(framework=None, zero=1):
+    from meshforge.plan.flops import GPTShape
+    from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
+    from meshforge.plan.layout import Layout, Training
+    from meshforge.plan.timing import Framework, step_time
+
+    shape = GPTShape(24, 2048, 16, 50304, 2048)
+    cluster = Cluster(gpu_spec("h100"), 64, 8, link_spec("nvlink4"), link_spec("ib-ndr"), 8)
+    layout = Layout(dp=64, zero=zero)
+    training = Training(256, 1, "bf16", "none", "adamw", sdpa=True)
+    return step_time(shape, layout, training, cluster, framework=framework or Framework())
+
+
+def test_hidden_traffic_slows_compute_by_the_stated_fraction():
+    from meshforge.plan.timing import OVERLAP_SLOWDOWN
+
+    t = _dp_step()
+    hidden = t.dp_comm_total_s - t.dp_comm_exposed_s
+    assert hidden > 0
+    assert t.contention_s == pytest.approx(OVERLAP_SLOWDOWN * hidden)
+    parts = ("compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_exposed_s",
+             "contention_s", "optimizer_s")  # fmt: skip
+    assert t.step_s == pytest.approx(sum(getattr(t, p) for p in parts))
+
+
+def test_a_framework_that_reduces_after_the_step_exposes_all_of_it():
+    from meshforge.plan.timing import Framework
+
+    overlapped = _dp_step()
+    after = _dp_step(Framework(dp_overlap=False))
+    assert after.dp_comm_exposed_s == after.dp_comm_total_s == overlapped.dp_comm_total_s
+    assert after.contention_s == 0.0
+    assert after.step_s > overlapped.step_s
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_larger_gradient_buckets_pay_fewer_ring_latencies(zero):
+    from meshforge.plan.dp_traffic import DDP_BUCKET_BYTES
+    from meshforge.plan.timing import Framework
+
+    small = _dp_step(zero=zero)
+    large = _dp_step(Framework(grad_bucket_bytes=8 * DDP_BUCKET_BYTES), zero=zero)
+    assert large.dp_comm_total_s < small.dp_comm_total_s

@@ -148,11 +148,12 @@ def exposed_on_gpu(
     microbatches: int,
     scaling: NetworkScaling = NETWORK_SCALING,
     param_gather_overlap: bool = False,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of `traffic` per step on a GPU, where NCCL overlaps
     compute (module docstring). `work` is plan/work.MicrobatchWork; param_gather_overlap:
     ZeRO-1's after-step gather runs under the next step's first forward (Megatron's
-    --overlap-param-gather)."""
+    --overlap-param-gather); bucket_bytes: ZeRO-0/1's gradient buckets."""
     d, m = layout.dp, microbatches
     if d == 1:
         return 0.0, 0.0
@@ -165,7 +166,8 @@ def exposed_on_gpu(
     head_bwd = work.head.backward_s if rank.head else 0.0
     last_backward = rank.layers * bwd_layer + head_bwd
     if traffic.zero <= 1:
-        buckets = [(t(traffic.grad_collective, size), n) for size, n in traffic.buckets()]
+        buckets = [(t(traffic.grad_collective, size), n)
+                   for size, n in traffic.buckets(bucket_bytes / 1024**2)]  # fmt: skip
         total = sum(seconds * n for seconds, n in buckets)
         exposed = max(0.0, total - last_backward) + (buckets[-1][0] if buckets else 0.0)
         after = t(traffic.after_step_collective, traffic.param_bytes_after_step)
@@ -173,7 +175,7 @@ def exposed_on_gpu(
         if param_gather_overlap and after > 0.0:
             # bucket by bucket, each gathered ahead of the layers that need it: the first
             # bucket waits, the rest hides under the first micro-batch's forward
-            first = after * min(1.0, DDP_BUCKET_BYTES / traffic.grad_bytes)
+            first = after * min(1.0, bucket_bytes / traffic.grad_bytes)
             first_forward = rank.layers * fwd_layer + (work.head.forward_s if rank.head else 0.0)
             after_exposed = first + max(0.0, after - first - first_forward)
         return total + after, min(exposed, total) + after_exposed

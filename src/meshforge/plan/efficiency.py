@@ -75,8 +75,8 @@ H100_ATTENTION_FRACTION = 0.34
 # fit needs for its small-h runs (MPT-1B/3B/7B on 512 GPUs, Megatron-Core 1.7B), which
 # lose more per token than the counted memory-bound bytes explain at a physical
 # fraction (docs/planner.md, "Limits").
-A100_CURVE = ComputeCurve(0.655, 0.0, 0.86, A100_ATTENTION_FRACTION, "matmul")
-H100_CURVE = ComputeCurve(0.655, 0.0, 0.2, H100_ATTENTION_FRACTION, "matmul")
+A100_CURVE = ComputeCurve(0.66, 0.0, 0.85, A100_ATTENTION_FRACTION, "matmul")
+H100_CURVE = ComputeCurve(0.645, 0.0, 0.2, H100_ATTENTION_FRACTION, "matmul")
 H200_CURVE = H100_CURVE
 # GPUs of no calibrated architecture: the A100 matmul constants with a lower f_max, a
 # stated guess rather than a fit (nothing published to fit it to).

@@ -9,8 +9,17 @@ and the final norm, logits and loss on the last; plan/stages.py splits the layer
 and the slowest rank sets the pace (t_mb = max over ranks). Per step, with m = B/(b·N_d)
 micro-batches, p stages and v chunks per stage:
 
-    step   = m·t_mb + bubble + exposed DP/ZeRO traffic + optimizer step
+    step   = m·t_mb + bubble + exposed DP/ZeRO traffic + contention + optimizer step
     bubble = (p-1)/v · t_mb          (so bubble/ideal = (p-1)/(m·v), REFERENCES.md)
+
+The traffic that overlaps compute is not free: NCCL's kernels run on the same SMs and
+memory as the compute they hide under. Lee et al. 2025 (arXiv 2507.03114, "Characterizing
+Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning") measured
+compute kernels 18.9% slower on average while collectives overlap them (A100, H100,
+MI250, MI210; GPT and Llama layers; 40% at most): contention = OVERLAP_SLOWDOWN × the
+hidden data-parallel traffic. Tensor-parallel traffic overlapped by Megatron-Core's
+--tp-comm-overlap is left out: it moves through userbuffers and copy engines, not the
+NCCL kernels the paper measured.
 
 Compute is plan/work.py (matmuls through the device's curve, memory-bound kernels from
 their bytes). Data-parallel traffic is plan/dp_traffic.py, shared with the CPU host
@@ -28,6 +37,7 @@ from meshforge.errors import ConfigError
 from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
 from meshforge.plan.dp_traffic import (
     CLIP_BYTES_PER_PARAM,
+    DDP_BUCKET_BYTES,
     GRAD_REDUCE_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
     RankModel,
@@ -48,12 +58,17 @@ if TYPE_CHECKING:
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "HostCosts",
+    "Framework",
     "StepTime",
     "host_step_time",
     "pipeline_bubble_fraction",
     "pipeline_bubble_ratio",
     "step_time",
 ]
+
+# compute runs this much slower while data-parallel collectives overlap it (Lee et al.
+# 2025, arXiv 2507.03114: 18.9% on average over their GPUs and models; module docstring)
+OVERLAP_SLOWDOWN = 0.189
 
 # writing the 16-bit copy of the updated fp32 master parameters (read 4 B, write 2 B):
 # Megatron's model params, FSDP's cast before its all-gather, autocast's weight copies
@@ -72,6 +87,8 @@ class StepTime:
     optimizer_s: float
     dp_comm_total_s: float  # all data-parallel traffic, hidden or not (not in the sum)
     compute_fraction_of_peak: float  # f(W) of efficiency.py for this matmul size
+    # compute slowed by the data-parallel traffic hidden under it (OVERLAP_SLOWDOWN)
+    contention_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -81,6 +98,7 @@ class StepTime:
             + self.pp_comm_s
             + self.bubble_s
             + self.dp_comm_exposed_s
+            + self.contention_s
             + self.optimizer_s
         )
 
@@ -125,34 +143,49 @@ class _RankTime:
     backward_s: float
 
 
+@dataclass(frozen=True)
+class Framework:
+    """How another trainer runs what the model counts; meshforge's own trainer is the
+    default. Each setting has its source in the framework's code or paper."""
+
+    # tensor-parallel collectives pipelined with the layer's matmuls (Megatron-Core's
+    # --tp-comm-overlap, TransformerEngine userbuffers): only what the matmuls cannot
+    # cover is exposed
+    tp_comm_overlap: bool = False
+    # ZeRO-1's after-step parameter gather hidden under the next forward (Megatron's
+    # --overlap-param-gather)
+    param_gather_overlap: bool = False
+    grad_reduce_bytes: float = GRAD_REDUCE_BYTES  # per gradient element reduced
+    # each tensor-parallel rank sends 1/t of a stage boundary's activations and the next
+    # stage all-gathers them over NVLink (Megatron-LM's scatter/gather optimisation,
+    # Narayanan et al. 2021 §4.1), instead of every rank sending the whole tensor
+    pp_scatter_gather: bool = False
+    # a stage's send and receive of one exchange run as one pair, two transfer times per
+    # micro-batch and chunk (Megatron's send_forward_recv_backward /
+    # send_backward_recv_forward). False for DeepSpeed's pipeline engine, whose
+    # TrainSchedule (deepspeed/runtime/pipe/schedule.py) issues SendGrad, RecvActivation,
+    # RecvGrad and SendActivation as four separate blocking transfers per micro-batch
+    pp_paired_transfers: bool = True
+    # ZeRO-0/1 gradient buckets: torch DDP's 25 MB; Megatron-Core's max(40M, 1M·dp)
+    # elements
+    grad_bucket_bytes: float = DDP_BUCKET_BYTES
+    # data-parallel traffic overlaps compute (module docstring). False for DeepSpeed's
+    # pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and
+    # OptimizerStep after the last backward of the step, so every byte is exposed
+    dp_overlap: bool = True
+
+
 def step_time(
     shape: GPTShape,
     layout: Layout,
     training: Training,
     cluster: Cluster,
     scaling: NetworkScaling = NETWORK_SCALING,
-    tp_comm_overlap: bool = False,
-    param_gather_overlap: bool = False,
-    grad_reduce_bytes: float = GRAD_REDUCE_BYTES,
-    pp_scatter_gather: bool = False,
-    pp_paired_transfers: bool = True,
+    framework: Framework = Framework(),
 ) -> StepTime:
-    """Seconds per step (module docstring). `scaling`: the network at scale (comm.py).
-    Settings of other trainers (meshforge's own trainer uses the defaults):
-    `tp_comm_overlap`: tensor-parallel collectives pipelined with the layer's matmuls
-    (Megatron-Core's --tp-comm-overlap, TransformerEngine userbuffers), so only what
-    the matmuls cannot cover is exposed; `param_gather_overlap`: ZeRO-1's after-step
-    parameter gather hidden under the next forward (Megatron's --overlap-param-gather);
-    `grad_reduce_bytes`: bytes per gradient element reduced (4: fp32);
-    `pp_scatter_gather`: each tensor-parallel rank sends 1/t of a stage boundary's
-    activations and the next stage all-gathers them over NVLink (Megatron-LM's
-    scatter/gather optimisation, Narayanan et al. 2021 §4.1), instead of every rank
-    sending the whole tensor; `pp_paired_transfers`: a stage's send and receive of one
-    exchange run as one pair, two transfer times per micro-batch and chunk (Megatron's
-    send_forward_recv_backward / send_backward_recv_forward); False for DeepSpeed's
-    pipeline engine, whose TrainSchedule (deepspeed/runtime/pipe/schedule.py) issues
-    SendGrad, RecvActivation, RecvGrad and SendActivation as four separate blocking
-    transfers per micro-batch."""
+    """Seconds per step (module docstring). `scaling`: the network at scale (comm.py);
+    `framework`: another trainer's settings (meshforge's own trainer: the defaults)."""
+    fw = framework
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     b, precision = training.micro_batch, training.precision
     m = training.microbatches(d)
@@ -178,10 +211,10 @@ def step_time(
         gather = 0.0
         if layout.sequence_parallel:
             size /= t  # the boundary tensor is sequence-sharded
-        elif pp_scatter_gather and t > 1:
+        elif fw.pp_scatter_gather and t > 1:
             gather = collective_time("all_gather", size, t, *group_link(cluster, t, 1, scaling))
             size /= t
-        transfers = 2 if pp_paired_transfers else 4
+        transfers = 2 if fw.pp_paired_transfers else 4
         pp_s = transfers * v * (size / bw + lat + gather)
 
     ranks = []
@@ -198,7 +231,7 @@ def step_time(
             bwd += work.head.backward_s
             tp_count += 2
         tp_s = tp_count * tp_one
-        if tp_comm_overlap:
+        if fw.tp_comm_overlap:
             matmuls = rank.layers * work.layer.total_s * (1.0 - work.memory_bound_fraction)
             tp_s = max(0.0, tp_s - matmuls)
         ranks.append(_RankTime(rank, fwd + bwd, tp_s, fwd, bwd))
@@ -211,9 +244,12 @@ def step_time(
     after_step = -1.0
     for r in ranks:
         traffic = data_parallel_traffic(r.model, layout.zero, m, precision, "distributed",
-                                        grad_reduce_bytes)  # fmt: skip
+                                        fw.grad_reduce_bytes)  # fmt: skip
         total, exposed = exposed_on_gpu(traffic, cluster, layout, r.model, work, m, scaling,
-                                        param_gather_overlap)  # fmt: skip
+                                        fw.param_gather_overlap,
+                                        fw.grad_bucket_bytes)  # fmt: skip
+        if not fw.dp_overlap:
+            exposed = total
         opt = _optimizer_seconds(r.model.params, layout, training, device)
         if exposed + opt > after_step:
             after_step, dp_total, dp_exposed, opt_s = exposed + opt, total, exposed, opt
@@ -226,6 +262,7 @@ def step_time(
         optimizer_s=opt_s,
         dp_comm_total_s=dp_total,
         compute_fraction_of_peak=work.fraction_of_peak,
+        contention_s=OVERLAP_SLOWDOWN * (dp_total - dp_exposed),
     )
 
 

@@ -20,20 +20,34 @@ not hold, as its source states (`PublishedRun.excluded`), is predicted both ways
 shown, but enters no fit and no bound.
 
 Conversions a source needs, said once here:
-* a micro-batch the source does not publish is Megatron's default, 1;
+* a micro-batch the source does not publish is the planner's choice: the fastest
+  power of two dividing the per-rank batch whose memory fits the GPU (the planner's
+  memory model, predict.evaluate; 1 where none fits), as `meshforge plan` picks one
+  and as a benchmark table is tuned. Megatron-Core's 16B and 32B rows (no pipeline,
+  4 sequences per rank) take 2 and 4: fewer micro-batches per step, so the gradient
+  reduce-scatter overlaps more of a backward; the smaller ones tie at every size and
+  keep 1; every row with a pipeline takes 1 (a larger one costs more bubble than it
+  saves). Until 2026-12 this was Megatron's default, 1, for every row
+  (docs/planner.md says what changed with it);
 * torchtitan's selective activation checkpointing (the "op" policy: every other
   matmul and the pointwise kernels recomputed; the "layer" policy: every other block)
   recomputes about half a forward: it is predicted as the mean of `none` and `full`
   (the same device the trainer's `selective` uses, plan/job.py);
 * Megatron-Core's --tp-comm-overlap (named in the row's notes) hides TP collectives
-  under the GEMMs (timing.step_time's tp_comm_overlap), and its --overlap-param-gather
+  under the GEMMs (timing.Framework.tp_comm_overlap), and its --overlap-param-gather
   the distributed optimizer's parameter gather under the next forward
   (param_gather_overlap);
 * a row whose notes name DeepSpeed's pipeline engine (Megatron-DeepSpeed: BLOOM,
   MT-NLG) pays four pipeline transfers per micro-batch instead of Megatron's two
-  (timing.step_time's pp_paired_transfers);
+  (timing.Framework.pp_paired_transfers), and its gradient reduction after the step's
+  last backward, not under it (Framework.dp_overlap);
 * gradients are reduced in the dtype the row's `grad_reduce` names (fp32 unless the
   source's code reduces in 16 bits);
+* Megatron-Core (the megatron-core2024 rows) reduces them in buckets of
+  max(40M, 1M·dp) elements, its DistributedDataParallel default
+  (megatron/core/distributed/distributed_data_parallel.py: "larger DP sizes need larger
+  buckets to ensure collectives do not become latency-bound"); the other sources keep
+  torch DDP's 25 MB;
 * an interleaved schedule whose end chunks hold no transformer layer (Llama 3: 126
   layers over 16 x 8 chunks, the first only the embedding, the last only the head) is
   predicted with the most chunks per rank the planner's layouts take, layers // pp
@@ -51,13 +65,16 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from meshforge.errors import ConfigError
 from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling
+from meshforge.plan.dp_traffic import DDP_BUCKET_BYTES
 from meshforge.plan.efficiency import CALIBRATIONS, ComputeCurve
 from meshforge.plan.flops import GPTShape, megatron_full_recompute_flops, microbatch_flops
 from meshforge.plan.hardware import GB, Cluster, LinkSpec, gpu_spec, link_spec
 from meshforge.plan.layout import Layout, Training
+from meshforge.plan.predict import evaluate
 from meshforge.plan.published import PUBLISHED_RUNS, PublishedRun
-from meshforge.plan.timing import step_time
+from meshforge.plan.timing import Framework, step_time
 
 LINE_RATE_FRACTION = 0.88  # of a port's line rate, as the roce-100 preset (hardware.py)
 BOUND = 0.20  # the goal: every held-out row within ±20% of its published throughput
@@ -74,11 +91,7 @@ class Inputs:
     layout: Layout
     trainings: tuple[Training, ...]  # predicted as the mean step time of these
     cluster: Cluster
-    tp_comm_overlap: bool  # the source overlaps TP collectives with GEMMs
-    param_gather_overlap: bool  # ... and ZeRO-1's parameter gather with the next forward
-    grad_reduce_bytes: float
-    pp_scatter_gather: bool  # Megatron-LM's scatter/gather of stage-boundary tensors
-    pp_paired_transfers: bool  # Megatron pairs a stage's sends and receives; DeepSpeed not
+    framework: Framework  # how the source's trainer runs it (timing.Framework)
 
 
 def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inputs:
@@ -92,15 +105,16 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     layout = Layout(dp=run.dp * run.cp, tp=run.tp, pp=run.pp, zero=run.zero,
                     virtual_stages=virtual,
                     sequence_parallel=run.sequence_parallel)  # fmt: skip
-    b = run.micro_batch or 1
 
-    def training(recompute: str) -> Training:
-        return Training(run.global_batch, b, run.precision, recompute, "adamw", sdpa=_sdpa(run))
+    def trainings(b: int) -> tuple[Training, ...]:
+        def training(recompute: str) -> Training:
+            return Training(run.global_batch, b, run.precision, recompute, "adamw",
+                            sdpa=_sdpa(run))  # fmt: skip
 
-    if run.source == "torchtitan" and run.recompute == "selective":
-        trainings = (training("none"), training("full"))
-    else:
-        trainings = (training(run.recompute),)
+        if run.source == "torchtitan" and run.recompute == "selective":
+            return (training("none"), training("full"))
+        return (training(run.recompute),)
+
     device = gpu_spec(run.gpu)
     if curve is not None:
         device = replace(device, curve=curve)
@@ -111,10 +125,47 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     cluster = Cluster(device, run.n_gpus, run.gpus_per_node, intra, inter,
                       run.nics_per_node or run.gpus_per_node)  # fmt: skip
     grad_bytes = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[run.grad_reduce]
-    return Inputs(shape, layout, trainings, cluster, "--tp-comm-overlap" in run.notes,
-                  "--overlap-param-gather" in run.notes, grad_bytes,
-                  "scatter/gather optimization enabled" in run.notes,
-                  "DeepSpeed's pipeline engine" not in run.notes)  # fmt: skip
+    bucket = DDP_BUCKET_BYTES
+    if run.source == "megatron-core2024":
+        bucket = max(40e6, 1e6 * run.dp * run.cp) * grad_bytes
+    deepspeed_pipeline = "DeepSpeed's pipeline engine" in run.notes
+    framework = Framework(
+        tp_comm_overlap="--tp-comm-overlap" in run.notes,
+        param_gather_overlap="--overlap-param-gather" in run.notes,
+        grad_reduce_bytes=grad_bytes,
+        pp_scatter_gather="scatter/gather optimization enabled" in run.notes,
+        pp_paired_transfers=not deepspeed_pipeline,
+        grad_bucket_bytes=bucket,
+        dp_overlap=not deepspeed_pipeline,
+    )
+    x = Inputs(shape, layout, trainings(run.micro_batch or 1), cluster, framework)
+    if run.micro_batch is not None:
+        return x
+    # not published: the fastest micro-batch that fits (module docstring)
+    per_rank = run.global_batch // (run.dp * run.cp)
+    options = [replace(x, trainings=trainings(b))
+               for b in (2**k for k in range(per_rank.bit_length()))
+               if per_rank % b == 0 and _fits(replace(x, trainings=trainings(b)))]  # fmt: skip
+    return min(options or [x], key=lambda o: (_step_s(o, NETWORK_SCALING),
+                                              o.trainings[0].micro_batch))  # fmt: skip
+
+
+def _fits(x: Inputs) -> bool:
+    """Whether every training of `x` is a valid layout (a pipeline needs at least pp
+    micro-batches) that fits its GPU by the planner's memory model."""
+    try:
+        return all(evaluate(x.shape, x.layout, t, x.cluster).memory.fits for t in x.trainings)
+    except ConfigError:
+        return False
+
+
+def _step_s(x: Inputs, scaling: NetworkScaling) -> float:
+    """The planner's seconds per step for `x`: the mean over its trainings."""
+    times = [
+        step_time(x.shape, x.layout, t, x.cluster, scaling, x.framework).step_s
+        for t in x.trainings
+    ]  # fmt: skip
+    return sum(times) / len(times)
 
 
 def _network(name: str) -> LinkSpec:
@@ -157,13 +208,7 @@ def predicted_step_s(
     x = _inputs(run)
     if curve is not None:
         x = replace(x, cluster=replace(x.cluster, device=replace(x.cluster.device, curve=curve)))
-    times = [
-        step_time(x.shape, x.layout, t, x.cluster, scaling, x.tp_comm_overlap,
-                  x.param_gather_overlap, x.grad_reduce_bytes, x.pp_scatter_gather,
-                  x.pp_paired_transfers).step_s
-        for t in x.trainings
-    ]  # fmt: skip
-    return sum(times) / len(times)
+    return _step_s(x, scaling)
 
 
 def predicted_value(run: PublishedRun, step_s: float) -> float:
