@@ -63,3 +63,36 @@ def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
     assert (got["tp"], got["micro_batch"], got["dp"], got["microbatches"]) == (2, 2, 1, 1)
     assert got["one_block_s"] > 0 and got["two_blocks_s"] > 0
     assert got["optimizer_one_s"] > 0 and got["optimizer_two_s"] > 0  # on DTensors
+
+
+def _pipeline(schedule: str, recompute: str) -> tuple[dict, list[str]]:
+    import torch
+
+    from meshforge.observe.machine import measure_pipeline
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.plan.job import host_warnings
+    from meshforge.plan.timing import HostCosts, PipelineModels
+
+    cfg = build_config({"model": {**MODEL, "tie_embeddings": False},
+                        "parallel": {"pp": 2, "pp_schedule": schedule},
+                        "train": {"micro_batch": 2, "global_batch": 4,
+                                  "activation_checkpointing": recompute}})  # fmt: skip
+    mesh = ParallelDims.from_config(cfg, 2).build_mesh(torch.device("cpu"))
+    timed = measure_pipeline(cfg, torch.device("cpu"), mesh, repeats=2)
+    # what a run records and reads back (report.json `predicted.host`)
+    again = HostCosts.from_dict({"optimizer_bytes_per_s": 1e9,
+                                 "sharded_optimizer_bytes_per_s": 1e9,
+                                 "pipeline": vars(timed)})  # fmt: skip
+    assert isinstance(again.pipeline, PipelineModels) and again.pipeline == timed
+    return vars(timed), host_warnings(again)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", "none"), ("gpipe", "full")])
+def test_the_pipeline_is_timed_with_the_trainers_step(gloo, schedule, recompute):
+    results = gloo.run(2, _pipeline, schedule, recompute)
+    assert results[0] == results[1]  # agreed figures on both stages
+    got, warnings = results[0]
+    assert (got["pp"], got["stages_per_rank"], got["schedule"]) == (2, 1, schedule)
+    assert (got["dp"], got["zero"], got["micro_batch"], got["microbatches"]) == (1, 0, 2, 2)
+    assert got["one_layer_s"] > 0 and got["two_layers_s"] > 0
+    assert all("pipeline" in w for w in warnings)  # only ever about this figure

@@ -33,7 +33,7 @@ from meshforge.plan.layout import Layout
 from meshforge.plan.machine_fit import fit_allreduce, fit_matmul_curve
 from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
-from meshforge.plan.timing import TensorParallelModels, WrappedBlocks
+from meshforge.plan.timing import PipelineModels, TensorParallelModels, WrappedBlocks
 
 TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
 
@@ -75,8 +75,8 @@ def test_prediction_matches_the_run_at_world_2(job_factory, zero):
 def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
     """The self-check covers tp/pp layouts: model states per rank within 10%; under tp the
     step's compute is the model timed under its own tensor parallelism at the run's
-    start (its collectives and DTensor's dispatch included), under pp the planner's
-    sends and bubble."""
+    start (its collectives and DTensor's dispatch included), under pp the whole step
+    of its own pipeline timed likewise (sends, bubble and optimizer included)."""
     for name, parallel in (("tp2", {"tp": 2}), ("pp2", {"pp": 2, "pp_schedule": "1f1b"})):
         model = {**MODEL, "tie_embeddings": False}
         job = job_factory({"model": model, "parallel": parallel, "train": TRAIN}, name=name)
@@ -91,7 +91,10 @@ def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
             assert parts["compute_s"] > 0 and parts["tp_pp_comm_s"] == 0, timed
         else:
             assert predicted["host"]["tensor_parallel"] is None
-            assert parts["bubble_s"] > 0, parts
+            timed = predicted["host"]["pipeline"]
+            assert (timed["pp"], timed["schedule"], timed["microbatches"]) == (2, "1f1b", 2)
+            assert parts["compute_s"] > 0, parts
+            assert parts["bubble_s"] == parts["tp_pp_comm_s"] == parts["optimizer_s"] == 0
         want = predicted["model_state_bytes"]["total"]
         for rank, measured in enumerate(job.report["model_state_bytes"]):
             ratio = measured["total"] / want
@@ -222,6 +225,32 @@ def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
     out = _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8, tensor_parallel=timed), micro=4)
     assert out["optimizer_s"] == pytest.approx(0.003 + 0.002 * (2 - 1))
     assert _host_times(Layout(dp=2, tp=2), HostCosts(2e9, 2e8), micro=4)["dp_comm_exposed_s"] > 0
+
+
+def test_a_timed_pipeline_is_the_step_of_its_own_layout_only():
+    """A run with pp > 1 (tp 1) times a whole optimizer step of its own pipeline with one
+    and two layers per stage (observe.machine.measure_pipeline); the host model's step
+    for that layout is those figures at the layers its slowest stage holds, in place of
+    the planner's compute, sends, bubble and optimizer; any other layout keeps them."""
+    pipe = PipelineModels(2, 1, "1f1b", 1, 0, 4, 4, one_layer_s=0.020, two_layers_s=0.035)
+    plain, timed = HostCosts(2e9, 2e8), HostCosts(2e9, 2e8, pipeline=pipe)
+    got = _host_times(Layout(pp=2), timed, micro=4)
+    assert got["compute_s"] == pytest.approx(0.020)  # two layers, one per stage
+    assert got["bubble_s"] == got["tp_pp_comm_s"] == got["optimizer_s"] == 0
+    assert got["step_s"] == pytest.approx(0.020 + got["logging_allreduce_s"])
+    untimed = _host_times(Layout(pp=2), plain, micro=4)
+    assert untimed["bubble_s"] > 0 and untimed["optimizer_s"] > 0
+    # a deeper model: 0.015 s per further layer on the slowest stage (3 of 5 layers)
+    deeper = GPTShape(5, 128, 4, 256, 64)
+    pred = predict_run(deeper, Layout(pp=2), 16, 4, "fp32", "none", PROFILE)
+    cluster = PROFILE.to_cluster(2)
+    assert host_step_time(pred, deeper, cluster, timed)["compute_s"] == pytest.approx(0.050)
+    # timed for another schedule, micro-batch count or layout: not used
+    assert host_step_time(pred, deeper, cluster, timed, schedule="gpipe") == host_step_time(
+        pred, deeper, cluster, plain, schedule="gpipe"
+    )
+    for other, micro in ((Layout(pp=2), 8), (Layout(pp=2, dp=2), 4)):
+        assert _host_times(other, timed, micro) == _host_times(other, plain, micro)
 
 
 def test_full_recomputation_costs_what_was_timed_on_a_layer():

@@ -19,8 +19,10 @@ layout      the run's own layout, as the trainer builds it: its data-parallel wr
             (DDP, ZeroRedundancyOptimizer's step, FSDP2 units: `wrap_data_parallel`) on
             one and two of the job's blocks through a step of the run's micro-batches,
             less the same passes unwrapped; under tensor parallelism, the model cut to
-            one and two blocks and sharded by its own plan (`WrappedBlocks`,
-            `TensorParallelModels` in plan/timing.py: the CPU host model's figures).
+            one and two blocks and sharded by its own plan; under a pipeline (tp 1), the
+            trainer's stage modules and Pipeline with one and two layers per stage, a
+            whole step of the job's schedule (`WrappedBlocks`, `TensorParallelModels`,
+            `PipelineModels` in plan/timing.py: the CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
             CPU also the process's own resident bytes beyond its parameters, after the
             measurements and one warm-up pass of the model cut to one block
@@ -78,6 +80,7 @@ from meshforge.plan.machine_fit import (
 )
 from meshforge.plan.timing import (
     OPTIMIZER_BYTES_PER_PARAM,
+    PipelineModels,
     TensorParallelModels,
     WrappedBlocks,
 )
@@ -481,6 +484,47 @@ def measure_tensor_parallel(
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
 
 
+def measure_pipeline(
+    cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 5
+) -> PipelineModels:
+    """Seconds of one optimizer step of the job's pipeline through its model cut to one
+    and to two layers per stage, run by the trainer's own code: its stage modules
+    (`build_model_parts`: the split, the job's activation checkpointing and
+    data-parallel wrapping over `mesh`'s dp), its Optimizers and its pipelined step
+    (`train.step.make_step`: the schedule's micro-batches and sends, the loss, the
+    gradient norm over the stages and clipping, AdamW). Collective: every rank of
+    `mesh` calls it (a fixed number of repeats)."""
+    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.parallelize import build_model_parts
+    from meshforge.train.optim import Optimizers
+    from meshforge.train.step import make_step
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_config(cfg, world)
+    b, m = cfg.train.micro_batch, dims.microbatches
+    shape = (b, cfg.model.seq_len)
+    batch = [(torch.randint(0, cfg.model.vocab_size, shape),) * 2 for _ in range(m)]
+    seconds = []
+    for k in (1, 2):
+        model = cfg.model.model_copy(update={"n_layers": k * dims.n_stages})
+        some = cfg.model_copy(update={"model": model})
+        parts = build_model_parts(some, dims, mesh, device)
+        optimizers = Optimizers(some, parts, mesh["dp"], device)
+        strategy = make_step(some, dims, mesh, parts, optimizers, device)
+
+        def run(strategy: Any = strategy, optimizers: Any = optimizers) -> None:
+            optimizers.zero_grad()
+            strategy.step(1, batch, False)
+
+        run()  # torch's shape inference on the first step
+        seconds.append(_time_passes(run, device, 0.0, repeats))
+        del strategy, optimizers, parts
+    one, two = _agreed_seconds(seconds, device, None)
+    return PipelineModels(
+        dims.pp, dims.n_stages // dims.pp, dims.pp_schedule, dims.dp, dims.zero, b, m, one, two
+    )
+
+
 # -- the all-reduce ------------------------------------------------------------------------
 
 
@@ -608,8 +652,13 @@ def _time_job(
             wrapped = measure_wrapped_blocks(cfg, m, device, mesh)
         except Exception as exc:  # the traffic model alone
             log.warning("could not time the data-parallel wrapping: %s", exc)
-    tensor_parallel = None
-    if layout_mesh is not None and layout_mesh["tp"].size() > 1:
+    tensor_parallel = pipeline = None
+    if layout_mesh is not None and layout_mesh["pp"].size() > 1:
+        try:
+            pipeline = measure_pipeline(cfg, device, layout_mesh)
+        except Exception as exc:  # the planner's sends and bubble alone
+            log.warning("could not time the pipeline: %s", exc)
+    elif layout_mesh is not None and layout_mesh["tp"].size() > 1:
         try:
             tp_mesh, dp_mesh = layout_mesh["tp"], layout_mesh["dp"]
             tensor_parallel = measure_tensor_parallel(cfg, device, tp_mesh, dp_mesh)
@@ -617,7 +666,7 @@ def _time_job(
             log.warning("could not time the model under tensor parallelism: %s", exc)
     unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
     compute = ComputeAtSize(b, timed["flops"], seconds, matmul_s, unit)
-    host = HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel, recompute)
+    host = HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel, recompute, pipeline)
     return compute, host
 
 
@@ -635,6 +684,10 @@ def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[
         "zero": cfg._parallel().zero,
         "global_batch": cfg.train.global_batch,
         "tp": layout_mesh["tp"].size() if layout_mesh is not None else None,
+        "pp": layout_mesh["pp"].size() if layout_mesh is not None else None,
+        "pp_schedule": cfg._parallel().pp_schedule,
+        "virtual_stages": cfg._parallel().virtual_stages,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
     }
 
 

@@ -74,8 +74,9 @@ def predict_for_job(
         )  # fmt: skip
         if host is None:
             return pred, pred.time.to_dict()
-        times = host_step_time(pred, shape, cluster, host, p.comm.bucket_mb)
-        if recompute == "full" and host.recompute_layer_s is not None and not tp_timed:
+        times = host_step_time(pred, shape, cluster, host, p.comm.bucket_mb,
+                               schedule=p.pp_schedule)  # fmt: skip
+        if recompute == "full" and host.recompute_layer_s is not None and not model_timed:
             # recomputation as timed on a layer, in place of the curve's FLOPs
             _, plain = run("none")
             m = pred.training.microbatches(layout.dp)
@@ -85,13 +86,17 @@ def predict_for_job(
             times["compute_s"] = compute
         return pred, times
 
-    tp_timed = (
-        host is not None
-        and host.tensor_parallel is not None
-        and (
-            host.tensor_parallel.matches(
-                layout, t.micro_batch, t.global_batch // (t.micro_batch * dp)
-            )
+    m = t.global_batch // (t.micro_batch * dp)
+    # the model timed whole under the job's tensor parallelism or pipeline (the
+    # pipeline's stage modules recompute as the job does)
+    model_timed = host is not None and (
+        (
+            host.tensor_parallel is not None
+            and host.tensor_parallel.matches(layout, t.micro_batch, m)
+        )
+        or (
+            host.pipeline is not None
+            and host.pipeline.matches(layout, p.pp_schedule, t.micro_batch, m)
         )
     )
 
@@ -133,14 +138,22 @@ def host_warnings(host: HostCosts | None) -> list[str]:
     """What makes a CPU host's timed figures doubtful: a second block timed as costing
     less than nothing means the machine's load changed while they were taken."""
     out = []
-    for name, timed in (("data-parallel wrapping", host and host.wrapped),
-                        ("tensor-parallel model", host and host.tensor_parallel)):  # fmt: skip
-        if timed and timed.two_blocks_s < timed.one_block_s:
+    timed = [
+        ("data-parallel wrapping", host and host.wrapped, "block"),
+        ("tensor-parallel model", host and host.tensor_parallel, "block"),
+        ("pipeline", host and host.pipeline, "layer"),
+    ]
+    for name, figures, unit in timed:
+        if not figures:
+            continue
+        one = getattr(figures, f"one_{unit}_s")
+        two = getattr(figures, f"two_{unit}s_s")
+        if two < one:
             out.append(
-                f"the {name} was timed faster on two blocks than on one "
-                f"({timed.two_blocks_s * 1e3:.1f} vs {timed.one_block_s * 1e3:.1f} ms): the "
-                "machine's load changed while it was measured; the step-time prediction is "
-                "doubtful (`meshforge train --recalibrate` on a quieter machine measures again)"
+                f"the {name} was timed faster with two {unit}s than with one "
+                f"({two * 1e3:.1f} vs {one * 1e3:.1f} ms): the machine's load changed while "
+                "it was measured; the step-time prediction is doubtful (`meshforge train "
+                "--recalibrate` on a quieter machine measures again)"
             )
     return out
 

@@ -315,10 +315,12 @@ class Trainer:
         if not self.dims.parameter_server and not c.model.is_factory:
             whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
             group = self.mesh["dp"] if whole else None
-            tp_only = self.dims.tp_enabled and not self.dims.pp_enabled
+            # one model-parallel dimension: its own timing (tensor parallel, or the
+            # pipeline)
+            one_kind = self.dims.tp_enabled != self.dims.pp_enabled
             self.machine_profile = measure_profile(
                 self.device, c.precision.dtype, group, c,
-                layout_mesh=self.mesh if tp_only else None,
+                layout_mesh=self.mesh if one_kind else None,
             )  # fmt: skip
         resumed_from = self._resume()
         start = resumed_from or 0
