@@ -19,7 +19,8 @@ The per-data-parallel-rank batch stays 8 sequences (global batch 8·dp);
 "accumulation" splits it into 2 micro-batches of 4. At world 1 only ZeRO-0 runs
 (sharding over one rank changes nothing the planner models). A few rows of the
 narrower d_model=32 GPT show the planner's limit on tiny models (Python's per-op
-overhead, which it does not model). About 9-10 minutes on a 2-core machine.
+overhead, which it does not model); two pipeline rows of a six-layer GPT predict three
+layers per stage from the one and two a run times at its start. About 9-10 minutes on a 2-core machine.
 
     python benchmarks/planner_accuracy.py [--steps 12] [--quick]
 """
@@ -40,6 +41,10 @@ import yaml
 
 SMALL_GPT = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
 TINY_GPT = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
+# six layers: a pipeline of two stages holds three each, beyond the one and two per stage
+# a run times at its start, so its prediction is an extrapolation
+DEEP_GPT = {**SMALL_GPT, "n_layers": 6}
+MODELS = {"small": SMALL_GPT, "tiny": TINY_GPT, "deep": DEEP_GPT}
 PER_RANK_BATCH = 8
 
 
@@ -69,6 +74,8 @@ def cases(quick: bool) -> list[dict]:
         add(world, 0, True, "none", pp=2)
     add(2, 0, False, "none", "tiny")
     add(2, 3, False, "none", "tiny")
+    for world in (2, 4):
+        add(world, 0, True, "none", "deep", pp=2)
     if quick:
         keep = {(2, 0, False, "none", "small"), (2, 3, False, "none", "small")}
         out = [c for c in out if (c["world"], c["zero"], c["accum"], c["ckpt"], c["model"]) in keep]
@@ -78,7 +85,7 @@ def cases(quick: bool) -> list[dict]:
 def job(case: dict, steps: int) -> dict:
     micro = PER_RANK_BATCH // 2 if case["accum"] else PER_RANK_BATCH
     tp, pp = case.get("tp", 1), case.get("pp", 1)
-    model = dict(SMALL_GPT if case["model"] == "small" else TINY_GPT)
+    model = dict(MODELS[case["model"]])
     parallel: dict = {"zero": case["zero"], "tp": tp, "pp": pp}
     if pp > 1:  # the head and the embedding live on different stages
         model["tie_embeddings"] = False
@@ -166,7 +173,7 @@ def table(rows: list[dict]) -> str:
 
 def summary(rows: list[dict]) -> str:
     out = []
-    for model in ("small", "tiny"):
+    for model in MODELS:
         ok = [r for r in rows if "error" not in r and r["model"] == model]
         if not ok:
             continue
@@ -217,8 +224,9 @@ def main() -> None:
     print(
         f"planner accuracy: {len(rows)} runs of `meshforge train`, {args.steps} steps each, "
         f"{time.perf_counter() - started:.0f} s; small GPT d_model=128 n_layers=2 seq=64, "
-        f"tiny GPT d_model=32 n_layers=2 seq=32; fp32, gloo, {PER_RANK_BATCH} sequences "
-        "per rank per step; ratio = measured / predicted"
+        "tiny GPT d_model=32 n_layers=2 seq=32, deep GPT the small one with n_layers=6 "
+        f"(pipelines only); fp32, gloo, {PER_RANK_BATCH} sequences per rank per step; "
+        "ratio = measured / predicted"
     )
     print(table(rows))
     print(summary(rows))

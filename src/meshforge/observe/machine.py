@@ -41,6 +41,7 @@ when the cached figures were taken while other jobs shared the cores).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import statistics
@@ -269,15 +270,19 @@ def measure_model_compute(
     t_mm = _time_passes(_matmul_pass(block, b * s, heads), device, MATMUL_BUDGET_S * 0.3)
     t_mm_ends = _time_passes(_matmul_pass(ends, b * s), device, MATMUL_BUDGET_S * 0.1)
     # the same layer recomputed as the trainer recomputes it (torch.utils.checkpoint):
-    # what full recomputation adds per layer, its hooks included
-    apply_activation_checkpointing([block], "full")
-    t_recomputed = _time_passes(_layer_pass(block, x), device, MATMUL_BUDGET_S * 0.2)
+    # what full recomputation adds per layer, its hooks included; paired with the plain
+    # layer (median of differences) so that load which comes and goes weighs on both
+    recomputed = copy.deepcopy(block)
+    apply_activation_checkpointing([recomputed], "full")
+    t_extra = _paired_difference(
+        _layer_pass(recomputed, x.detach().clone()), _layer_pass(block, x), device, 7
+    )
     flops = microbatch_flops(shape_of(model), b)
     return {
         "seconds": L * t_layer + t_ends,
         "flops": 3.0 * (L * flops.layer_forward + flops.logits_forward),
         "matmul_seconds": L * t_mm + t_mm_ends,
-        "recompute_layer_seconds": max(0.0, t_recomputed - t_layer),
+        "recompute_layer_seconds": max(0.0, t_extra),
     }
 
 
