@@ -20,7 +20,8 @@ The per-data-parallel-rank batch stays 8 sequences (global batch 8·dp);
 (sharding over one rank changes nothing the planner models). A few rows of the
 narrower d_model=32 GPT show the planner's limit on tiny models (Python's per-op
 overhead, which it does not model); two pipeline rows of a six-layer GPT predict three
-layers per stage from the one and two a run times at its start. About 9-10 minutes on a 2-core machine.
+layers per stage from the one and two a run times at its start. About 10 minutes on a
+2-core machine.
 
     python benchmarks/planner_accuracy.py [--steps 12] [--quick]
 """
