@@ -30,10 +30,10 @@ def _assert_valid(prediction, shape: GPTShape, n_gpus: int, global_batch: int) -
     assert lay.pp * lay.virtual_stages <= shape.n_layers  # uneven stages allowed
     assert global_batch % (lay.dp * train.micro_batch) == 0
     m = global_batch // (lay.dp * train.micro_batch)
-    if lay.pp > 1:
-        assert m >= lay.pp
-    if lay.virtual_stages > 1:
-        assert lay.pp > 1 and m % lay.pp == 0
+    if lay.pp > 1 and lay.virtual_stages == 1:
+        assert m >= lay.pp  # 1F1B: a micro-batch per stage
+    if lay.virtual_stages > 1:  # torch's interleaved 1F1B: m a multiple of its rounds
+        assert lay.pp > 1 and m % max(1, m // lay.pp) == 0
     if lay.sequence_parallel:
         assert lay.tp > 1 and shape.seq_len % lay.tp == 0
 

@@ -160,6 +160,24 @@ def test_predict_for_job_reports_memory_and_time_per_rank():
     assert times["none"] < times["selective"] < times["full"]
 
 
+@pytest.mark.parametrize(
+    "parallel,batch",
+    [({"pp_schedule": "interleaved_1f1b", "virtual_stages": 2}, 12),  # 3 micro-batches
+     ({"pp_schedule": "gpipe"}, 4), ({"pp_schedule": "zbv"}, 4)],  # one micro-batch
+)  # fmt: skip
+def test_every_pipeline_the_trainer_accepts_gets_a_prediction(parallel, batch):
+    """The trainer runs these micro-batch counts (torch's rules, parallel/dims.py); the
+    planner predicts them, where Megatron-LM's rules would refuse them."""
+    from meshforge.parallel.dims import ParallelDims
+
+    model = {**MODEL, "n_layers": 4, "tie_embeddings": False}
+    cfg = build_config({"model": model, "parallel": {"pp": 2, **parallel},
+                        "train": {**TRAIN, "global_batch": batch, "micro_batch": 4}})  # fmt: skip
+    ParallelDims.from_config(cfg, 2)  # `meshforge train` accepts it
+    out = predict_for_job(cfg, 2, PROFILE)
+    assert out["step_time_s"] > 0 and out["layout"]["pp"] == 2
+
+
 def _host_times(layout: Layout, host: HostCosts, micro: int = 8) -> dict[str, float]:
     shape = GPTShape(2, 128, 4, 256, 64)
     pred = predict_run(shape, layout, 16, micro, "fp32", "none", PROFILE)

@@ -70,7 +70,7 @@ def predict_for_job(
     def run(recompute: str) -> tuple[Any, dict[str, float]]:
         pred = predict_run(
             shape, layout, t.global_batch, t.micro_batch, cfg.precision.dtype, recompute,
-            profile, optimizer="adamw", sdpa=True,
+            profile, optimizer="adamw", sdpa=True, schedule=p.pp_schedule,
         )  # fmt: skip
         if host is None:
             return pred, pred.time.to_dict()
@@ -127,7 +127,12 @@ def predict_for_job(
         "tokens_per_s": t.global_batch * shape.seq_len / step_s,
         "time_model": "planner" if host is None else "planner + cpu host (plan.auto)",
         "time_breakdown_s": breakdown,
-        "layout": {**layout.to_dict(), "micro_batch": t.micro_batch, "recompute": mode},
+        "layout": {
+            **layout.to_dict(),
+            "micro_batch": t.micro_batch,
+            "recompute": mode,
+            "pp_schedule": p.pp_schedule if layout.pp > 1 else "none",
+        },
         "profile": profile.to_dict(),
         "host": None if host is None else asdict(host),
         "warnings": host_warnings(host),

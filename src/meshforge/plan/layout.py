@@ -16,7 +16,6 @@ from meshforge.plan.flops import GPTShape
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class Layout:
     def pp_schedule(self) -> str:
         if self.pp == 1:
             return "none"
-        return "interleaved" if self.virtual_stages > 1 else "1f1b"
+        return "interleaved_1f1b" if self.virtual_stages > 1 else "1f1b"  # the job's names
 
     # strides of each group in global ranks (see module docstring)
     @property
@@ -85,8 +84,15 @@ class Training:
         return self.global_batch // (self.micro_batch * dp)
 
 
-def check_layout(layout: Layout, training: Training, shape: GPTShape | None) -> None:
-    """Raise ConfigError naming the first rule the layout breaks."""
+def check_layout(
+    layout: Layout, training: Training, shape: GPTShape | None, schedule: str = "1f1b"
+) -> None:
+    """Raise ConfigError naming the first rule the layout breaks. `schedule`: the
+    trainer's parallel.pp_schedule when the layout is a job's (its micro-batch rules are
+    torch.distributed.pipelining's, parallel/dims.py: 1F1B needs pp micro-batches, GPipe
+    and ZB-V one; interleaved, v > 1, one and torch's multiple rule)."""
+    from meshforge.parallel.dims import interleaved_accepts, min_microbatches
+
     for name in ("dp", "tp", "pp", "virtual_stages"):
         value = getattr(layout, name)
         if value < 1:
@@ -105,14 +111,19 @@ def check_layout(layout: Layout, training: Training, shape: GPTShape | None) -> 
             f"--global-batch {training.global_batch} is not divisible by dp={dp} x micro-batch={b}"
         )
     m = training.microbatches(dp)
-    if layout.pp > 1 and m < layout.pp:
+    interleaved = layout.virtual_stages > 1
+    if interleaved:
+        schedule = "interleaved_1f1b"
+    least = min_microbatches(schedule, layout.pp)
+    if layout.pp > 1 and m < least:
         raise ConfigError(
-            f"pipeline needs at least pp={layout.pp} micro-batches per step, "
-            f"global-batch/(dp x micro-batch) gives {m}"
+            f"a {schedule} pipeline needs at least {least} micro-batches per step at "
+            f"pp={layout.pp}, global-batch/(dp x micro-batch) gives {m}"
         )
-    if layout.virtual_stages > 1 and m % layout.pp:
+    if interleaved and not interleaved_accepts(m, layout.pp):
         raise ConfigError(
-            f"interleaved pipeline needs micro-batches ({m}) divisible by pp={layout.pp}"
+            f"interleaved pipeline: micro-batches ({m}) must be a multiple of "
+            f"max(1, micro-batches // pp) = {max(1, m // layout.pp)} (e.g. of pp={layout.pp})"
         )
     if shape.n_heads % layout.tp:
         raise ConfigError(f"--tp {layout.tp} does not divide --heads {shape.n_heads}")

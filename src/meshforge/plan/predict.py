@@ -172,10 +172,12 @@ def evaluate(
     training: Training,
     cluster: Cluster,
     convention: str = "meshforge",
+    schedule: str = "1f1b",
 ) -> Prediction:
-    """Memory and (given a GPT shape) step time of one layout; ConfigError if invalid."""
+    """Memory and (given a GPT shape) step time of one layout; ConfigError if invalid
+    (`schedule`: the trainer's pipeline schedule, for its micro-batch rules)."""
     shape = model if isinstance(model, GPTShape) else None
-    check_layout(layout, training, shape)
+    check_layout(layout, training, shape, schedule)
     if layout.world_size != cluster.n_gpus:
         raise ConfigError(
             f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} "
@@ -295,6 +297,7 @@ def predict_run(
     optimizer: str = "adamw",
     sdpa: bool = True,
     convention: str = "meshforge",
+    schedule: str = "1f1b",
 ) -> Prediction:
     """What meshforge predicts for a run of `shape` with `layout` on a measured machine.
 
@@ -312,4 +315,4 @@ def predict_run(
         optimizer=optimizer,
         sdpa=sdpa,
     )
-    return evaluate(shape, layout, training, cluster, convention)
+    return evaluate(shape, layout, training, cluster, convention, schedule)

@@ -398,11 +398,21 @@ def summary(rows: list[Row]) -> str:
     return line + (f"; beyond ±20%: {misses}." if misses else ".")
 
 
+def _micro_batch(run: PublishedRun) -> str:
+    """The micro-batch a row is predicted with; "(chosen)" where the source does not
+    publish one and the planner chose it (module docstring)."""
+    if run.micro_batch is not None:
+        return str(run.micro_batch)
+    if supported(run) is not None:
+        return "–"
+    return f"{_inputs(run).trainings[0].micro_batch} (chosen)"
+
+
 def _markdown_rows(rows: list[Row]) -> str:
     lines = [
-        "| row | source | GPU | GPUs | layout | metric | published | predicted | error "
-        "| held-out predicted | held-out error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | source | GPU | GPUs | layout | micro-batch | metric | published | predicted "
+        "| error | held-out predicted | held-out error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         run = r.run
@@ -413,7 +423,7 @@ def _markdown_rows(rows: list[Row]) -> str:
                     f" | {r.held_out_error:+.1%} |")  # fmt: skip
         lines.append(
             f"| {run.name} | {run.source} | {run.gpu} | {run.n_gpus} | {_layout(run)} | "
-            f"{run.metric} | {_number(run.value)} | {rest}"
+            f"{_micro_batch(run)} | {run.metric} | {_number(run.value)} | {rest}"
         )
     return "\n".join(lines)
 
