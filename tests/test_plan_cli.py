@@ -101,6 +101,7 @@ def test_cpu_profile_file(tmp_path):
         (["--params", "1e9"], ["--gpus"]),
         (["--params", "1e9", "--gpus", "8", "--cpu-profile", "/nonexistent.json"], ["profile"]),
         (["--params", "abc", "--gpus", "8"], ["--params"]),
+        (["--params", "1e9", "--gpus", "8", "--mlp-ratio", "3"], ["--mlp-ratio", "--params"]),
     ],
 )
 def test_bad_input_exits_2_with_one_line_naming_it(args, words):

@@ -206,6 +206,11 @@ def plan_command(
         attention = "sdpa" if attention is None else attention
         if attention not in ("sdpa", "eager"):
             raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
+        if params is not None and mlp_ratio is not None:
+            raise ConfigError(
+                "--mlp-ratio shapes a model's blocks; --params plans a bare parameter "
+                "count, which has none: give one of them"
+            )
         ratio = 4 if mlp_ratio is None else mlp_ratio
         model = build_model(layers, hidden, heads, vocab, seq, ratio, params, preset)
         if global_batch is None and params is None:
