@@ -19,9 +19,10 @@ The per-data-parallel-rank batch stays 8 sequences (global batch 8·dp);
 "accumulation" splits it into 2 micro-batches of 4. At world 1 only ZeRO-0 runs
 (sharding over one rank changes nothing the planner models). A few rows of the
 narrower d_model=32 GPT show the planner's limit on tiny models (Python's per-op
-overhead, which it does not model); two pipeline rows of a six-layer GPT predict three
-layers per stage from the one and two a run times at its start. About 10 minutes on a
-2-core machine.
+overhead, which it does not model). A run times its own step with one and two layers per
+stage at its start, so for the two-layer GPTs the prediction is close to a measurement;
+six rows of a six-layer GPT (data parallel, ZeRO-1/3, pipelines: six or three layers per
+stage) show the extrapolation. About 13 minutes on a 2-core machine.
 
     python benchmarks/planner_accuracy.py [--steps 12] [--quick]
 """
@@ -42,8 +43,8 @@ import yaml
 
 SMALL_GPT = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 64}
 TINY_GPT = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
-# six layers: a pipeline of two stages holds three each, beyond the one and two per stage
-# a run times at its start, so its prediction is an extrapolation
+# six layers: beyond the one and two layers (per stage) a run times at its start, so its
+# prediction is an extrapolation
 DEEP_GPT = {**SMALL_GPT, "n_layers": 6}
 MODELS = {"small": SMALL_GPT, "tiny": TINY_GPT, "deep": DEEP_GPT}
 PER_RANK_BATCH = 8
@@ -75,6 +76,12 @@ def cases(quick: bool) -> list[dict]:
         add(world, 0, True, "none", pp=2)
     add(2, 0, False, "none", "tiny")
     add(2, 3, False, "none", "tiny")
+    # six layers: the prediction extrapolates from the one and two layers (per stage) a
+    # run times at its start, across data-parallel, sharded and pipelined layouts
+    add(2, 0, False, "none", "deep")
+    add(2, 3, True, "none", "deep")
+    add(4, 1, False, "none", "deep")
+    add(4, 3, False, "none", "deep")
     for world in (2, 4):
         add(world, 0, True, "none", "deep", pp=2)
     if quick:
@@ -226,7 +233,7 @@ def main() -> None:
         f"planner accuracy: {len(rows)} runs of `meshforge train`, {args.steps} steps each, "
         f"{time.perf_counter() - started:.0f} s; small GPT d_model=128 n_layers=2 seq=64, "
         "tiny GPT d_model=32 n_layers=2 seq=32, deep GPT the small one with n_layers=6 "
-        f"(pipelines only); fp32, gloo, {PER_RANK_BATCH} sequences per rank per step; "
+        f"; fp32, gloo, {PER_RANK_BATCH} sequences per rank per step; "
         "ratio = measured / predicted"
     )
     print(table(rows))

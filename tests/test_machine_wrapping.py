@@ -1,6 +1,7 @@
-"""The machine profile times the run's own layout: the trainer's data-parallel wrapping
-on one and two of the job's blocks (DDP, ZeroRedundancyOptimizer, FSDP2 units), and the
-model under its tensor parallelism, on the live gloo group (observe/machine.py). These
+"""The machine profile times the run's own layout: the trainer's whole step with one and
+two layers per stage (tp 1), the model under its tensor parallelism, and (where the step
+could not be timed) the data-parallel wrapping on one and two of the job's blocks (DDP,
+ZeroRedundancyOptimizer, FSDP2 units), on the live gloo group (observe/machine.py). These
 figures carry the CPU host model of `predicted` (plan/timing.py); how close it comes is
 a speed figure, reported by benchmarks/planner_accuracy.py."""
 
@@ -65,34 +66,46 @@ def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
     assert got["optimizer_one_s"] > 0 and got["optimizer_two_s"] > 0  # on DTensors
 
 
-def _pipeline(schedule: str, recompute: str) -> tuple[dict, list[str]]:
+def _steps(parallel: dict, recompute: str) -> tuple[dict, list[str]]:
     import torch
 
-    from meshforge.observe.machine import measure_pipeline
+    from meshforge.observe.machine import measure_steps
     from meshforge.parallel.dims import ParallelDims
     from meshforge.plan.job import host_warnings
-    from meshforge.plan.timing import HostCosts, PipelineModels
+    from meshforge.plan.timing import HostCosts, TimedSteps
 
     cfg = build_config({"model": {**MODEL, "tie_embeddings": False},
-                        "parallel": {"pp": 2, "pp_schedule": schedule},
+                        "parallel": parallel,
                         "train": {"micro_batch": 2, "global_batch": 4,
                                   "activation_checkpointing": recompute}})  # fmt: skip
     mesh = ParallelDims.from_config(cfg, 2).build_mesh(torch.device("cpu"))
-    timed = measure_pipeline(cfg, torch.device("cpu"), mesh, repeats=2)
+    timed = measure_steps(cfg, torch.device("cpu"), mesh, repeats=2)
     # what a run records and reads back (report.json `predicted.host`)
     again = HostCosts.from_dict({"optimizer_bytes_per_s": 1e9,
                                  "sharded_optimizer_bytes_per_s": 1e9,
-                                 "pipeline": vars(timed)})  # fmt: skip
-    assert isinstance(again.pipeline, PipelineModels) and again.pipeline == timed
+                                 "steps": vars(timed)})  # fmt: skip
+    assert isinstance(again.steps, TimedSteps) and again.steps == timed
     return vars(timed), host_warnings(again)
 
 
 @pytest.mark.parametrize("schedule,recompute", [("1f1b", "none"), ("gpipe", "full")])
 def test_the_pipeline_is_timed_with_the_trainers_step(gloo, schedule, recompute):
-    results = gloo.run(2, _pipeline, schedule, recompute)
+    results = gloo.run(2, _steps, {"pp": 2, "pp_schedule": schedule}, recompute)
     assert results[0] == results[1]  # agreed figures on both stages
     got, warnings = results[0]
     assert (got["pp"], got["stages_per_rank"], got["schedule"]) == (2, 1, schedule)
     assert (got["dp"], got["zero"], got["micro_batch"], got["microbatches"]) == (1, 0, 2, 2)
     assert got["one_layer_s"] > 0 and got["two_layers_s"] > 0
-    assert all("pipeline" in w for w in warnings)  # only ever about this figure
+    assert all("step" in w for w in warnings)  # only ever about this figure
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_data_parallel_step_is_timed_with_the_trainers_step(gloo, zero):
+    """Without a pipeline the step is the trainer's accumulating step: dp 2, one
+    micro-batch of 2 per rank here, under ZeroRedundancyOptimizer or FSDP2."""
+    results = gloo.run(2, _steps, {"zero": zero}, "none")
+    assert results[0] == results[1]
+    got, _ = results[0]
+    assert (got["pp"], got["stages_per_rank"], got["schedule"]) == (1, 1, "none")
+    assert (got["dp"], got["zero"], got["micro_batch"], got["microbatches"]) == (2, zero, 2, 1)
+    assert got["one_layer_s"] > 0 and got["two_layers_s"] > 0

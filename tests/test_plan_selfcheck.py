@@ -33,7 +33,7 @@ from meshforge.plan.layout import Layout
 from meshforge.plan.machine_fit import fit_allreduce, fit_matmul_curve
 from meshforge.plan.predict import predict_run
 from meshforge.plan.profile import MachineProfile
-from meshforge.plan.timing import PipelineModels, TensorParallelModels, WrappedBlocks
+from meshforge.plan.timing import TensorParallelModels, TimedSteps, WrappedBlocks
 
 TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
 
@@ -53,7 +53,11 @@ def _selfcheck(job, label: str) -> None:
     step = predicted["step_time_s"]
     assert math.isfinite(step) and step > 0, f"{label}: predicted step {step}"
     parts = predicted["time_breakdown_s"]
-    assert parts["compute_s"] > 0 and parts["optimizer_s"] > 0, parts
+    assert parts["compute_s"] > 0, parts
+    if predicted["host"]["steps"] is not None:  # the whole step timed: optimizer included
+        assert parts["optimizer_s"] == parts["dp_comm_exposed_s"] == 0, parts
+    else:
+        assert parts["optimizer_s"] > 0, parts
     assert sum(v for k, v in parts.items() if k != "step_s") == pytest.approx(step), parts
 
 
@@ -69,7 +73,12 @@ def test_prediction_matches_the_run_at_world_2(job_factory, zero):
     assert predicted["profile"]["allreduce_busbw_bytes_per_s"] > 0
     assert predicted["measurement"]["allreduce"]["points"]  # measured on the live group
     assert predicted["host"]["recompute_layer_s"] >= 0  # a layer timed recomputed too
-    assert predicted["host"]["wrapped"]["zero"] == zero  # the wrapping timed on its blocks
+    # the run's own step timed whole (its wrapping, optimizer and all) with one and two
+    # layers; the wrapping alone on its blocks only if that failed
+    timed = predicted["host"]["steps"]
+    assert (timed["dp"], timed["zero"], timed["pp"], timed["schedule"]) == (2, zero, 1, "none")
+    assert timed["microbatches"] == TRAIN["global_batch"] // (2 * TRAIN["micro_batch"])
+    assert predicted["host"]["wrapped"] is None
 
 
 def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
@@ -91,7 +100,7 @@ def test_tp2_and_pp2_runs_carry_a_prediction_of_their_own_layout(job_factory):
             assert parts["compute_s"] > 0 and parts["tp_pp_comm_s"] == 0, timed
         else:
             assert predicted["host"]["tensor_parallel"] is None
-            timed = predicted["host"]["pipeline"]
+            timed = predicted["host"]["steps"]
             assert (timed["pp"], timed["schedule"], timed["microbatches"]) == (2, "1f1b", 2)
             assert parts["compute_s"] > 0, parts
             assert parts["bubble_s"] == parts["tp_pp_comm_s"] == parts["optimizer_s"] == 0
@@ -247,11 +256,11 @@ def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
 
 def test_a_timed_pipeline_is_the_step_of_its_own_layout_only():
     """A run with pp > 1 (tp 1) times a whole optimizer step of its own pipeline with one
-    and two layers per stage (observe.machine.measure_pipeline); the host model's step
+    and two layers per stage (observe.machine.measure_steps); the host model's step
     for that layout is those figures at the layers its slowest stage holds, in place of
     the planner's compute, sends, bubble and optimizer; any other layout keeps them."""
-    pipe = PipelineModels(2, 1, "1f1b", 1, 0, 4, 4, one_layer_s=0.020, two_layers_s=0.035)
-    plain, timed = HostCosts(2e9, 2e8), HostCosts(2e9, 2e8, pipeline=pipe)
+    pipe = TimedSteps(2, 1, "1f1b", 1, 0, 4, 4, one_layer_s=0.020, two_layers_s=0.035)
+    plain, timed = HostCosts(2e9, 2e8), HostCosts(2e9, 2e8, steps=pipe)
     got = _host_times(Layout(pp=2), timed, micro=4)
     assert got["compute_s"] == pytest.approx(0.020)  # two layers, one per stage
     assert got["bubble_s"] == got["tp_pp_comm_s"] == got["optimizer_s"] == 0

@@ -22,7 +22,7 @@ layout      the run's own layout, as the trainer builds it: its data-parallel wr
             one and two blocks and sharded by its own plan; under a pipeline (tp 1), the
             trainer's stage modules and Pipeline with one and two layers per stage, a
             whole step of the job's schedule (`WrappedBlocks`, `TensorParallelModels`,
-            `PipelineModels` in plan/timing.py: the CPU host model's figures).
+            `TimedSteps` in plan/timing.py: the CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
             CPU also the process's own resident bytes beyond its parameters, after the
             measurements and one warm-up pass of the model cut to one block
@@ -81,8 +81,8 @@ from meshforge.plan.machine_fit import (
 )
 from meshforge.plan.timing import (
     OPTIMIZER_BYTES_PER_PARAM,
-    PipelineModels,
     TensorParallelModels,
+    TimedSteps,
     WrappedBlocks,
 )
 
@@ -489,16 +489,14 @@ def measure_tensor_parallel(
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
 
 
-def measure_pipeline(
-    cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 5
-) -> PipelineModels:
-    """Seconds of one optimizer step of the job's pipeline through its model cut to one
-    and to two layers per stage, run by the trainer's own code: its stage modules
-    (`build_model_parts`: the split, the job's activation checkpointing and
-    data-parallel wrapping over `mesh`'s dp), its Optimizers and its pipelined step
-    (`train.step.make_step`: the schedule's micro-batches and sends, the loss, the
-    gradient norm over the stages and clipping, AdamW). Collective: every rank of
-    `mesh` calls it (a fixed number of repeats)."""
+def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 5) -> TimedSteps:
+    """Seconds of one optimizer step of the job's layout (tp 1) through its model cut to
+    one and to two layers per stage (one stage without a pipeline), run by the trainer's
+    own code: its model parts (`build_model_parts`: the pipeline split, the job's
+    activation checkpointing and data-parallel wrapping over `mesh`'s dp), its
+    Optimizers and its step (`train.step.make_step`: the accumulated micro-batches or
+    the pipeline schedule with its sends, the loss, the gradient norm and clipping,
+    AdamW). Collective: every rank of `mesh` calls it (a fixed number of repeats)."""
     from meshforge.parallel.dims import ParallelDims
     from meshforge.parallel.parallelize import build_model_parts
     from meshforge.train.optim import Optimizers
@@ -525,9 +523,9 @@ def measure_pipeline(
         seconds.append(_time_passes(run, device, 0.0, repeats))
         del strategy, optimizers, parts
     one, two = _agreed_seconds(seconds, device, None)
-    return PipelineModels(
-        dims.pp, dims.n_stages // dims.pp, dims.pp_schedule, dims.dp, dims.zero, b, m, one, two
-    )
+    schedule = dims.pp_schedule if dims.pp > 1 else "none"
+    return TimedSteps(dims.pp, dims.n_stages // dims.pp, schedule, dims.dp, dims.zero, b, m,
+                      one, two)  # fmt: skip
 
 
 # -- the all-reduce ------------------------------------------------------------------------
@@ -650,28 +648,32 @@ def _time_job(
     seconds, matmul_s, plain, sharded, recompute = _agreed_seconds(local[1:], device, group)
     if failed:
         return None, None
-    wrapped = None
-    if mesh is not None:  # DDP even over one rank: its hooks and bucket copies
-        m = cfg.train.global_batch // (b * mesh.size())
+    # the run's own step, timed whole (tp 1: data parallel, accumulation, a pipeline);
+    # under tensor parallelism the model under its plan
+    steps = tensor_parallel = wrapped = None
+    if layout_mesh is not None and layout_mesh["tp"].size() == 1:
         try:
-            wrapped = measure_wrapped_blocks(cfg, m, device, mesh)
-        except Exception as exc:  # the traffic model alone
-            log.warning("could not time the data-parallel wrapping: %s", exc)
-    tensor_parallel = pipeline = None
-    if layout_mesh is not None and layout_mesh["pp"].size() > 1:
-        try:
-            pipeline = measure_pipeline(cfg, device, layout_mesh)
-        except Exception as exc:  # the planner's sends and bubble alone
-            log.warning("could not time the pipeline: %s", exc)
-    elif layout_mesh is not None and layout_mesh["tp"].size() > 1:
+            steps = measure_steps(cfg, device, layout_mesh)
+        except Exception as exc:  # the wrapping's figures, or the traffic model
+            log.warning("could not time the run's step: %s", exc)
+        # every rank takes the same path through the collectives below
+        (missing,) = _max_across([1.0 if steps is None else 0.0], device, None)
+        steps = None if missing else steps
+    elif layout_mesh is not None and layout_mesh["pp"].size() == 1:
         try:
             tp_mesh, dp_mesh = layout_mesh["tp"], layout_mesh["dp"]
             tensor_parallel = measure_tensor_parallel(cfg, device, tp_mesh, dp_mesh)
         except Exception as exc:  # the traffic model alone
             log.warning("could not time the model under tensor parallelism: %s", exc)
+    if mesh is not None and steps is None:  # DDP even over one rank: its hooks and copies
+        m = cfg.train.global_batch // (b * mesh.size())
+        try:
+            wrapped = measure_wrapped_blocks(cfg, m, device, mesh)
+        except Exception as exc:  # the traffic model alone
+            log.warning("could not time the data-parallel wrapping: %s", exc)
     unit = matmul_unit_flops(b, model.seq_len, model.d_model, model.mlp_hidden / model.d_model, 1)
     compute = ComputeAtSize(b, timed["flops"], seconds, matmul_s, unit)
-    host = HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel, recompute, pipeline)
+    host = HostCosts(1.0 / plain, 1.0 / sharded, wrapped, tensor_parallel, recompute, steps)
     return compute, host
 
 

@@ -87,17 +87,14 @@ def predict_for_job(
         return pred, times
 
     m = t.global_batch // (t.micro_batch * dp)
-    # the model timed whole under the job's tensor parallelism or pipeline (the
-    # pipeline's stage modules recompute as the job does)
+    # the model timed whole: under the job's tensor parallelism, or its whole step (tp 1,
+    # whose model parts recompute as the job does)
     model_timed = host is not None and (
         (
             host.tensor_parallel is not None
             and host.tensor_parallel.matches(layout, t.micro_batch, m)
         )
-        or (
-            host.pipeline is not None
-            and host.pipeline.matches(layout, p.pp_schedule, t.micro_batch, m)
-        )
+        or (host.steps is not None and host.steps.matches(layout, p.pp_schedule, t.micro_batch, m))
     )
 
     mode = t.activation_checkpointing
@@ -146,7 +143,7 @@ def host_warnings(host: HostCosts | None) -> list[str]:
     timed = [
         ("data-parallel wrapping", host and host.wrapped, "block"),
         ("tensor-parallel model", host and host.tensor_parallel, "block"),
-        ("pipeline", host and host.pipeline, "layer"),
+        ("step", host and host.steps, "layer"),
     ]
     for name, figures, unit in timed:
         if not figures:

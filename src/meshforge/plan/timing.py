@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
     "HostCosts",
-    "PipelineModels",
+    "TimedSteps",
     "Framework",
     "StepTime",
     "host_step_time",
@@ -379,17 +379,18 @@ class TensorParallelModels:
 
 
 @dataclass(frozen=True)
-class PipelineModels:
-    """One optimizer step of the job's pipeline, as the trainer runs it (its stage
-    modules and data-parallel wrapping, its schedule, micro-batches and sends, the
-    gradient norm over the stages, clipping and AdamW), through the model cut to one and
-    to two layers per stage (observe/machine.py): the difference is a layer per stage,
-    its sends, bubble and optimizer share included; the rest the embedding, head, loss
-    and the step's fixed cost."""
+class TimedSteps:
+    """One optimizer step of the run's own layout (tp 1) as the trainer runs it (its
+    model parts with the job's recomputation and data-parallel wrapping, its
+    accumulation or pipeline schedule, the gradient norm, clipping and AdamW), through
+    the model cut to one and to two layers per stage (observe/machine.py; a layout
+    without a pipeline has one stage): the difference is a layer per stage, its
+    collectives, sends, bubble and optimizer share included; the rest the embedding,
+    head, loss and the step's fixed cost."""
 
     pp: int
     stages_per_rank: int  # more than one with interleaved and ZB-V schedules
-    schedule: str
+    schedule: str  # "none" without a pipeline
     dp: int
     zero: int
     micro_batch: int
@@ -398,6 +399,7 @@ class PipelineModels:
     two_layers_s: float  # ... with two
 
     def matches(self, layout: Layout, schedule: str, micro_batch: int, microbatches: int) -> bool:
+        schedule = schedule if layout.pp > 1 else "none"
         return (
             self.pp, self.schedule, self.dp, self.zero, self.micro_batch, self.microbatches
         ) == (
@@ -421,7 +423,7 @@ class HostCosts:
     # seconds full recomputation adds to one layer's forward+backward at the run's
     # micro-batch, as the trainer recomputes (torch.utils.checkpoint, its hooks included)
     recompute_layer_s: float | None = None
-    pipeline: PipelineModels | None = None  # the run's pipeline, timed (pp > 1, tp 1)
+    steps: TimedSteps | None = None  # the run's own step, timed (tp 1)
 
     @classmethod
     def from_profile(cls, profile: MachineProfile) -> HostCosts:
@@ -435,8 +437,8 @@ class HostCosts:
             d["wrapped"] = WrappedBlocks(**d["wrapped"])
         if d.get("tensor_parallel") is not None:
             d["tensor_parallel"] = TensorParallelModels(**d["tensor_parallel"])
-        if d.get("pipeline") is not None:
-            d["pipeline"] = PipelineModels(**d["pipeline"])
+        if d.get("steps") is not None:
+            d["steps"] = TimedSteps(**d["steps"])
         return cls(**d)
 
 
@@ -452,8 +454,8 @@ def host_step_time(
     """Seconds per step of meshforge's trainer on a CPU host (see above), from a
     planner prediction, whose compute, tensor-parallel, pipeline and bubble times it
     keeps; the data-parallel and optimizer terms are the host's. Where the run's own
-    tensor-parallel model or pipeline was timed (`HostCosts.tensor_parallel`,
-    `.pipeline`, for this layout), those figures replace the model's."""
+    step (tp 1) or tensor-parallel model was timed (`HostCosts.steps`,
+    `.tensor_parallel`, for this layout), those figures replace the model's."""
     if prediction.time is None:
         raise ConfigError("a host step time needs a GPT shape")
     layout, training = prediction.layout, prediction.training
@@ -516,13 +518,13 @@ def host_step_time(
         if timed_optimizer is not None:
             optimizer = timed_optimizer
     bubble = prediction.time.bubble_s
-    pipe = host.pipeline
-    if pipe is not None and pipe.matches(layout, schedule, training.micro_batch, m):
+    timed = host.steps
+    if timed is not None and timed.matches(layout, schedule, training.micro_batch, m):
         # the whole step as timed: every stage's layers, sends, bubble, the data-parallel
-        # wrapping of the stage modules, the job's recomputation and the optimizer
-        v = pipe.stages_per_rank
+        # wrapping, the job's accumulation and recomputation, and the optimizer
+        v = timed.stages_per_rank
         per_rank = max(r.layers for r in rank_models(shape, 1, layout.pp, v))
-        compute = pipe.step_s(per_rank / v)
+        compute = timed.step_s(per_rank / v)
         model_parallel, bubble, comm, optimizer = 0.0, 0.0, 0.0, 0.0
     step = compute + model_parallel + bubble + comm + logging + optimizer
     return {

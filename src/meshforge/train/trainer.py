@@ -315,12 +315,12 @@ class Trainer:
         if not self.dims.parameter_server and not c.model.is_factory:
             whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
             group = self.mesh["dp"] if whole else None
-            # one model-parallel dimension: its own timing (tensor parallel, or the
-            # pipeline)
-            one_kind = self.dims.tp_enabled != self.dims.pp_enabled
+            # the run's own layout timed: its whole step (tp 1), or its model under
+            # tensor parallelism (no pipeline); both at once only by the planner's model
+            both = self.dims.tp_enabled and self.dims.pp_enabled
             self.machine_profile = measure_profile(
                 self.device, c.precision.dtype, group, c,
-                layout_mesh=self.mesh if one_kind else None,
+                layout_mesh=None if both else self.mesh,
             )  # fmt: skip
         resumed_from = self._resume()
         start = resumed_from or 0
