@@ -232,8 +232,8 @@ def main() -> None:
     print(
         f"planner accuracy: {len(rows)} runs of `meshforge train`, {args.steps} steps each, "
         f"{time.perf_counter() - started:.0f} s; small GPT d_model=128 n_layers=2 seq=64, "
-        "tiny GPT d_model=32 n_layers=2 seq=32, deep GPT the small one with n_layers=6 "
-        f"; fp32, gloo, {PER_RANK_BATCH} sequences per rank per step; "
+        "tiny GPT d_model=32 n_layers=2 seq=32, deep GPT the small one with n_layers=6; "
+        f"fp32, gloo, {PER_RANK_BATCH} sequences per rank per step; "
         "ratio = measured / predicted"
     )
     print(table(rows))

@@ -489,7 +489,7 @@ def measure_tensor_parallel(
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
 
 
-def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 5) -> TimedSteps:
+def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 7) -> TimedSteps:
     """Seconds of one optimizer step of the job's layout (tp 1) through its model cut to
     one and to two layers per stage (one stage without a pipeline), run by the trainer's
     own code: its model parts (`build_model_parts`: the pipeline split, the job's
