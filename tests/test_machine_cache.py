@@ -21,19 +21,24 @@ def _profile_twice(cache: str, recalibrate_second: bool) -> list[dict]:
     os.environ["MESHFORGE_CACHE"] = cache
     cfg = build_config({"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
                         "train": {"micro_batch": 2, "global_batch": 4}})  # fmt: skip
-    first = measure_profile("cpu", "fp32", None, cfg).details
+    first_profile = measure_profile("cpu", "fp32", None, cfg)
+    first = first_profile.details
     if recalibrate_second:
         os.environ[machine_cache.RECALIBRATE_ENV] = "1"
-    second = measure_profile("cpu", "fp32", None, cfg).details
+    second_profile = measure_profile("cpu", "fp32", None, cfg)
+    second = second_profile.details
     other = build_config({**cfg.model_dump(), "train": {"micro_batch": 4, "global_batch": 8}})
     third = measure_profile("cpu", "fp32", None, other).details
-    return [first, second, third, {"rank": dist.get_rank()}]
+    runtimes = {"first": first_profile.runtime_bytes, "second": second_profile.runtime_bytes}
+    return [first, second, third, {"rank": dist.get_rank(), **runtimes}]
 
 
 def test_a_second_measurement_comes_from_the_cache(gloo, tmp_path):
     results = gloo.run(2, _profile_twice, str(tmp_path), False)
-    for first, second, third, _ in results:
+    for first, second, third, rank in results:
         assert first["cached"] is False and second["cached"] is True
+        if rank["rank"] == 0:  # the measuring rank's baseline is kept with the figures
+            assert rank["second"] >= rank["first"]
         assert second["measured_at"] == first["measured_at"]
         # the same figures, refitted: what the planner predicts with is unchanged
         assert second["compute_at_size"] == first["compute_at_size"]
@@ -44,6 +49,7 @@ def test_a_second_measurement_comes_from_the_cache(gloo, tmp_path):
         assert third["cached"] is False  # another micro-batch: the job's timings differ
     entries = json.loads((tmp_path / machine_cache.CACHE_FILE).read_text())
     assert len(entries) == 2  # one per configuration; the second run added nothing
+    assert all(e["runtime_bytes"] > 0 for e in entries.values())
     assert all("world=2" in key and "threads=" in key and "torch=" in key for key in entries)
 
 

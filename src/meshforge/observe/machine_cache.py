@@ -89,14 +89,17 @@ def load(key: str) -> tuple[MachineMeasurements, dict[str, Any]] | None:
         return None
 
 
-def save(key: str, m: MachineMeasurements, when: float) -> None:
-    """Record `m`, measured at `when`, under `key` (atomically); a cache that cannot be
-    written only warns."""
+def save(key: str, m: MachineMeasurements, when: float, runtime_bytes: float | None = None) -> None:
+    """Record `m`, measured at `when`, under `key` (atomically), with the process's
+    runtime baseline taken after the measurements (`runtime_bytes`, for the runs that
+    reuse them); a cache that cannot be written only warns."""
     root = cache_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
         data = _read_all()
         data[key] = {"measured_at": when, "measurements": asdict(m)}
+        if runtime_bytes is not None:
+            data[key]["runtime_bytes"] = runtime_bytes
         fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{CACHE_FILE}.")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
