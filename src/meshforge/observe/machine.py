@@ -15,14 +15,13 @@ optimizer   the trainer's step (gradient norm, clipping, AdamW) on the GPT's own
             parameter shapes, as plain tensors (DDP, ZeRO-1) and as FSDP2's DTensor
             shards (ZeRO-2/3): 32 bytes per parameter the rank updates ÷ time.
 all-reduce  gloo (CPU) or NCCL (GPU) fp32 all-reduce on the run's group at three sizes.
-layout      the run's own layout, as the trainer builds it: its data-parallel wrapping
-            (DDP, ZeroRedundancyOptimizer's step, FSDP2 units: `wrap_data_parallel`) on
-            one and two of the job's blocks through a step of the run's micro-batches,
-            less the same passes unwrapped; under tensor parallelism, the model cut to
-            one and two blocks and sharded by its own plan; under a pipeline (tp 1), the
-            trainer's stage modules and Pipeline with one and two layers per stage, a
-            whole step of the job's schedule (`WrappedBlocks`, `TensorParallelModels`,
-            `TimedSteps` in plan/timing.py: the CPU host model's figures).
+layout      the run's own layout, as the trainer runs it: with tp 1, its whole step
+            (accumulation or pipeline schedule, data-parallel wrapping, optimizer) with
+            one and two layers per stage; under tensor parallelism (no pipeline), the
+            model cut to one and two blocks and sharded by its own plan; where the step
+            could not be timed, the data-parallel wrapping alone on one and two blocks
+            (`TimedSteps`, `TensorParallelModels`, `WrappedBlocks` in plan/timing.py: the
+            CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
             CPU also the process's own resident bytes beyond its parameters, after the
             measurements and one warm-up pass of the model cut to one block
