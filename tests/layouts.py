@@ -178,3 +178,22 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
             )
     del model
     return grown[0]
+
+
+def digest_at_build(raw: dict[str, Any], measure: bool = False) -> tuple[str, int | None]:
+    """The engine's parameter digest right after the build (every layout initialises
+    the same parameters from the seed), and with `measure` the growth of this process's
+    peak resident memory while it is computed (helpers.peak_rss_growth)."""
+    from helpers import peak_rss_growth
+    from meshforge.config import build_config
+    from meshforge.train.engine import Engine
+
+    cfg = build_config(raw)
+    torch.manual_seed(cfg.train.seed)
+    engine = Engine.build(cfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    if not measure:
+        return engine.param_digest(), None
+    grown: list[int] = []
+    with peak_rss_growth(grown):
+        digest = engine.param_digest()
+    return digest, grown[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from layouts import activation_bytes, build_peak_bytes, job, train_layout
+from layouts import activation_bytes, build_peak_bytes, digest_at_build, job, train_layout
 
 STEPS = 20
 RTOL = 1e-4
@@ -97,6 +97,34 @@ def test_a_checkpoint_resumes_under_another_layout(gloo, reference, tmp_path, na
         assert resumed["losses"][step] == pytest.approx(reference[step], rel=1e-3), (
             f"{name} step {step}: {resumed['losses'][step]} vs {reference[step]}"
         )
+
+
+@pytest.mark.parametrize(
+    "world,parallel",
+    [(2, {"pp": 2}), (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2}),
+     (4, {"pp": 2, "zero": 3}), (4, {"pp": 2, "tp": 2}), (2, {"zero": 3})],
+    ids=["pp2", "pp2-interleaved", "pp2xdp2-zero3", "pp2xtp2", "zero3"],
+)  # fmt: skip
+def test_every_layout_digests_the_parameters_as_world_1_does(gloo, world, parallel):
+    # the same seed initialises the same parameters under any layout: rank 0's digest
+    # of the stages, shards and slices the ranks hold is the world-1 model's
+    ((reference, _),) = gloo.run(1, digest_at_build, job({}))
+    results = gloo.run(world, digest_at_build, job(parallel))
+    assert results[0][0] == reference
+    assert all(digest == "" for digest, _ in results[1:])
+
+
+@pytest.mark.slow
+def test_the_digest_of_a_sharded_model_never_holds_it_whole_on_rank_0(gloo):
+    # 16 layers of d_model 512: about 50M parameters, 200 MB in fp32; the largest
+    # single parameter is 4 MB
+    big = job(
+        {"zero": 3},
+        model={"d_model": 512, "n_layers": 16, "n_heads": 8, "vocab_size": 256, "seq_len": 32},
+    )
+    (digest, grown), *_ = gloo.run(2, digest_at_build, big, True)
+    assert len(digest) == 64
+    assert grown < 50e6, f"rank 0 grew by {grown / 1e6:.0f} MB to digest a 200 MB model"
 
 
 @pytest.mark.slow

@@ -495,7 +495,10 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     activation checkpointing and data-parallel wrapping over `mesh`'s dp), its
     Optimizers and its step (`train.step.make_step`: the accumulated micro-batches or
     the pipeline schedule with its sends, the loss, the gradient norm and clipping,
-    AdamW). Collective: every rank of `mesh` calls it (a fixed number of repeats)."""
+    AdamW), timed as a logged step: with the norm, and the loss and rank figures the
+    trainer exchanges at each logged step. Collective: every rank of `mesh` calls it (a
+    fixed number of repeats)."""
+    from meshforge.observe.straggler import StragglerWatch, rank_figures
     from meshforge.parallel.dims import ParallelDims
     from meshforge.parallel.parallelize import build_model_parts
     from meshforge.train.optim import Optimizers
@@ -506,6 +509,7 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     b, m = cfg.train.micro_batch, dims.microbatches
     shape = (b, cfg.model.seq_len)
     batch = [(torch.randint(0, cfg.model.vocab_size, shape),) * 2 for _ in range(m)]
+    watch = StragglerWatch(world)
     seconds = []
     for k in (1, 2):
         model = cfg.model.model_copy(update={"n_layers": k * dims.n_stages})
@@ -516,7 +520,13 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
 
         def run(strategy: Any = strategy, optimizers: Any = optimizers) -> None:
             optimizers.zero_grad()
-            strategy.step(1, batch, False)
+            t0 = time.perf_counter()
+            result = strategy.step(1, batch, True)
+            # a logged step's own collectives, as the trainer runs them: every row of
+            # metrics.jsonl, whose median is the run's step time, is a logged step
+            watch.exchange(True, rank_figures(device, time.perf_counter() - t0))
+            strategy.reduce_loss(result.loss_sum / m).item()
+            strategy.sync()
 
         run()  # torch's shape inference on the first step
         seconds.append(_time_passes(run, device, 0.0, repeats))

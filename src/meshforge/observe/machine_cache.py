@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "machine_measurements.json"
 RECALIBRATE_ENV = "MESHFORGE_RECALIBRATE"
 # bump when what is measured, or how, changes: older entries are then measured over
-FORMAT = 5
+FORMAT = 6
 
 
 def measurement_key(

@@ -17,6 +17,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from meshforge.observe.memhealth import cuda_memory_stats
+from meshforge.observe.memory import current_memory_bytes, peak_memory_bytes
+
+# what each rank sends with its own work at a logged step (StragglerWatch.exchange's extra)
+RANK_FIGURES = ("step_s", "memory", "peak", "reserved", "retries", "ooms")
+
+
+def rank_figures(device: torch.device, step_s: float) -> list[float]:
+    """This rank's step time and memory, in RANK_FIGURES order."""
+    cuda = cuda_memory_stats(device) or {}
+    return [
+        step_s,
+        float(current_memory_bytes(device)),
+        float(peak_memory_bytes(device)),
+        float(cuda.get("reserved_bytes") or 0),
+        float(cuda.get("alloc_retries") or 0),
+        float(cuda.get("ooms") or 0),
+    ]
+
 
 @dataclass
 class StragglerWatch:

@@ -337,17 +337,33 @@ def param_digest(parts: ModelParts, holder: bool) -> str:
     ("" elsewhere). Collective: every rank calls it.
 
     holder: whether this rank sends its stage's parameters (one rank per pipeline
-    stage does; its dp/tp peers only take part in the gathers)."""
-    local: dict[str, torch.Tensor] = {}
-    for name, p in sorted(parts.named_parameters()):
-        full = _full(p.detach()).float().cpu().contiguous()
-        if holder:
-            local[name] = full
-    gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
-    dist.gather_object(local, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return ""
-    merged: dict[str, torch.Tensor] = {}
-    for d in gathered:
-        merged.update(d or {})
-    return digest_of(merged.items())
+    stage does; its dp/tp peers only take part in the gathers). Rank 0 hashes one
+    full tensor at a time, received from its holder in name order: never the whole
+    model at once (a gather of the full parameters to rank 0 would need the model's
+    size several times over there, on its GPU under NCCL)."""
+    rank = dist.get_rank()
+    params = dict(parts.named_parameters())
+    shapes = {name: tuple(p.shape) for name, p in params.items()} if holder else {}
+    every: list[dict[str, tuple[int, ...]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, shapes)
+    owner: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for r, held in enumerate(every):  # a name more than one rank holds: the last one's
+        owner.update({name: (r, shape) for name, shape in (held or {}).items()})
+    h = hashlib.sha256()
+    for name in sorted(set(owner) | set(params)):
+        # every rank of a stage reaches its names in this order: the gathers of shards
+        # (ZeRO-3, tensor parallel) are collectives of that stage's ranks
+        full = _full(params[name].detach()).float().contiguous() if name in params else None
+        src, shape = owner.get(name, (None, ()))
+        if src is None:
+            continue
+        if src != 0 and rank == src:
+            dist.send(full, dst=0)
+        elif src != 0 and rank == 0:
+            device = next(iter(params.values())).device if params else torch.device("cpu")
+            full = torch.empty(shape, dtype=torch.float32, device=device)
+            dist.recv(full, src=src)
+        if rank == 0:
+            h.update(name.encode())
+            h.update(full.cpu().numpy().tobytes())
+    return h.hexdigest() if rank == 0 else ""

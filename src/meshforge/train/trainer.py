@@ -37,12 +37,12 @@ from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.flight import FlightRecorder
 from meshforge.observe.machine import measure_profile
 from meshforge.observe.memhealth import cuda_memory_stats, memory_advice
-from meshforge.observe.memory import current_memory_bytes, peak_memory_bytes, tensor_bytes
+from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink, read_jsonl
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
-from meshforge.observe.straggler import StragglerWatch
+from meshforge.observe.straggler import RANK_FIGURES, StragglerWatch, rank_figures
 from meshforge.observe.trace import StepTracer, parse_steps
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.flops import (
@@ -427,7 +427,7 @@ class Trainer:
                     comm = self._comm_interval(marks, interval_steps, steady)
                     ps = self.dims.parameter_server  # servers run no model: judge workers
                     own_s, stragglers, ranks = self.stragglers.exchange(
-                        first_interval or ps, self._rank_figures(step_s)
+                        first_interval or ps, rank_figures(self.device, step_s)
                     )
                     if ps and not first_interval:
                         stragglers = self.stragglers.judge(own_s[: self.dp])
@@ -641,24 +641,10 @@ class Trainer:
                 sinks.exporter.sampler = self.sampler
         return sinks
 
-    _RANK_FIGURES = ("step_s", "memory", "peak", "reserved", "retries", "ooms")
-
-    def _rank_figures(self, step_s: float) -> list[float]:
-        """This rank's step time and memory, exchanged at each logged step."""
-        cuda = cuda_memory_stats(self.device) or {}
-        return [
-            step_s,
-            float(current_memory_bytes(self.device)),
-            float(peak_memory_bytes(self.device)),
-            float(cuda.get("reserved_bytes") or 0),
-            float(cuda.get("alloc_retries") or 0),
-            float(cuda.get("ooms") or 0),
-        ]
-
     def _add_rank_figures(self, row: dict[str, Any], ranks: list[list[float]]) -> None:
         """Every rank's step time and memory in the row, with memory advice when a
         threshold is crossed (warned once per distinct advice)."""
-        cols = {name: [r[i] for r in ranks] for i, name in enumerate(self._RANK_FIGURES)}
+        cols = {name: [r[i] for r in ranks] for i, name in enumerate(RANK_FIGURES)}
         row["step_time_s_per_rank"] = [round(v, 5) for v in cols["step_s"]]
         row["memory_bytes_per_rank"] = [int(v) for v in cols["memory"]]
         row["peak_memory_bytes_per_rank"] = [int(v) for v in cols["peak"]]
