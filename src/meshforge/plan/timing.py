@@ -521,11 +521,12 @@ def host_step_time(
     timed = host.steps
     if timed is not None and timed.matches(layout, schedule, training.micro_batch, m):
         # the whole step as timed: every stage's layers, sends, bubble, the data-parallel
-        # wrapping, the job's accumulation and recomputation, and the optimizer
+        # wrapping, the job's accumulation and recomputation, the optimizer, and a logged
+        # step's exchanges
         v = timed.stages_per_rank
         per_rank = max(r.layers for r in rank_models(shape, 1, layout.pp, v))
         compute = timed.step_s(per_rank / v)
-        model_parallel, bubble, comm, optimizer = 0.0, 0.0, 0.0, 0.0
+        model_parallel, bubble, comm, optimizer, logging = 0.0, 0.0, 0.0, 0.0, 0.0
     step = compute + model_parallel + bubble + comm + logging + optimizer
     return {
         "compute_s": compute,
