@@ -2,7 +2,8 @@
 
 For each layout the CPU machine can run at world 1, 2 and 4 (ZeRO 0-3, with and
 without gradient accumulation, activation checkpointing none and full; tensor
-parallel 2 and pipeline parallel 2, alone and beside data parallel 2), one real
+parallel 2 and pipeline parallel 2, alone, beside data parallel 2 and together; the
+four pipeline schedules), one real
 `meshforge train` run of a small GPT, and side by side:
 
 * step time: measured median (report.json step_time_s) vs `predicted.step_time_s`
@@ -18,11 +19,11 @@ Goals (issue 13): step time within 1.3x for every row, memory within 10%.
 The per-data-parallel-rank batch stays 8 sequences (global batch 8·dp);
 "accumulation" splits it into 2 micro-batches of 4. At world 1 only ZeRO-0 runs
 (sharding over one rank changes nothing the planner models). A few rows of the
-narrower d_model=32 GPT show the planner's limit on tiny models (Python's per-op
-overhead, which it does not model). A run times its own step with one and two layers per
+narrower d_model=32 GPT show how far a tiny model's step (a few milliseconds) is
+predicted. A run times its own step with one and two layers per
 stage at its start, so for the two-layer GPTs the prediction is close to a measurement;
-six rows of a six-layer GPT (data parallel, ZeRO-1/3, pipelines: six or three layers per
-stage) show the extrapolation. About 13 minutes on a 2-core machine.
+the rows of a six-layer GPT (data parallel, ZeRO-1/3, pipelines: six, three or one and
+two layers per stage) show the extrapolation. About 15 minutes on a 2-core machine.
 
     python benchmarks/planner_accuracy.py [--steps 12] [--quick]
 """
@@ -54,9 +55,9 @@ def cases(quick: bool) -> list[dict]:
     """(model, world, zero, accumulation, checkpointing) combinations to run."""
     out = []
 
-    def add(world, zero, accum, ckpt, model="small", tp=1, pp=1):
+    def add(world, zero, accum, ckpt, model="small", tp=1, pp=1, schedule="1f1b"):
         out.append({"model": model, "world": world, "zero": zero, "accum": accum, "ckpt": ckpt,
-                    "tp": tp, "pp": pp})  # fmt: skip
+                    "tp": tp, "pp": pp, "schedule": schedule})  # fmt: skip
 
     for accum in (False, True):
         for ckpt in ("none", "full"):
@@ -84,6 +85,12 @@ def cases(quick: bool) -> list[dict]:
     add(4, 3, False, "none", "deep")
     for world in (2, 4):
         add(world, 0, True, "none", "deep", pp=2)
+    # the other pipeline schedules (two stages per rank: the six layers over four stages),
+    # and tensor-parallel stages of a pipeline
+    add(2, 0, True, "none", pp=2, schedule="gpipe")
+    add(2, 0, True, "none", "deep", pp=2, schedule="interleaved_1f1b")
+    add(2, 0, True, "none", "deep", pp=2, schedule="zbv")
+    add(4, 0, True, "none", tp=2, pp=2)
     if quick:
         keep = {(2, 0, False, "none", "small"), (2, 3, False, "none", "small")}
         out = [c for c in out if (c["world"], c["zero"], c["accum"], c["ckpt"], c["model"]) in keep]
@@ -97,7 +104,9 @@ def job(case: dict, steps: int) -> dict:
     parallel: dict = {"zero": case["zero"], "tp": tp, "pp": pp}
     if pp > 1:  # the head and the embedding live on different stages
         model["tie_embeddings"] = False
-        parallel["pp_schedule"] = "1f1b"
+        parallel["pp_schedule"] = case.get("schedule", "1f1b")
+        if parallel["pp_schedule"] == "interleaved_1f1b":
+            parallel["virtual_stages"] = 2
     return {
         "name": "planner-accuracy",
         "model": model,
@@ -118,7 +127,7 @@ def job(case: dict, steps: int) -> dict:
 
 def run(case: dict, steps: int, root: Path) -> dict:
     name = f"{case['model']}-w{case['world']}-z{case['zero']}-a{int(case['accum'])}-{case['ckpt']}"
-    name += f"-tp{case.get('tp', 1)}-pp{case.get('pp', 1)}"
+    name += f"-tp{case.get('tp', 1)}-pp{case.get('pp', 1)}-{case.get('schedule', '1f1b')}"
     config = root / f"{name}.yaml"
     config.write_text(yaml.safe_dump(job(case, steps)))
     run_dir = root / name
@@ -151,9 +160,12 @@ def run(case: dict, steps: int, root: Path) -> dict:
     }
 
 
+SHORT = {"interleaved_1f1b": "inter"}  # a schedule's name in the layout column
+
+
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'model':<6}{'N':>2} {'layout':>8} {'accum':>5} {'ckpt':>5} | {'step ms':>8} "
+        f"{'model':<6}{'N':>2} {'layout':>13} {'accum':>5} {'ckpt':>5} | {'step ms':>8} "
         f"{'pred':>7} {'ratio':>6} | {'states KiB':>10} {'pred':>8} {'ratio':>6} | "
         f"{'peak MiB':>8} {'pred':>7} {'ratio':>6}"
     )
@@ -162,7 +174,9 @@ def table(rows: list[dict]) -> str:
         layout = f"zero{r['zero']}"
         if r.get("tp", 1) > 1 or r.get("pp", 1) > 1:
             layout = f"tp{r.get('tp', 1)}pp{r.get('pp', 1)}"
-        lead = f"{r['model']:<6}{r['world']:>2} {layout:>8} {r.get('grad_accum', '-'):>5} "
+            if r.get("pp", 1) > 1 and r.get("schedule", "1f1b") != "1f1b":
+                layout += "-" + SHORT.get(r["schedule"], r["schedule"])
+        lead = f"{r['model']:<6}{r['world']:>2} {layout:>13} {r.get('grad_accum', '-'):>5} "
         lead += f"{r['ckpt']:>5} | "
         if "error" in r:
             lines.append(lead + f"failed: {r['error']}")
@@ -190,11 +204,14 @@ def summary(rows: list[dict]) -> str:
         within = sum(1 for x in ratios if 1 / 1.5 <= x <= 1.5)
         close = sum(1 for x in ratios if 1 / 1.3 <= x <= 1.3)
         states = [r["states"] / r["states_pred"] for r in ok]
+        peaks = [r["peak"] / r["peak_pred"] for r in ok]
         out.append(
             f"{model}: {len(ok)} runs; step time measured/predicted: geometric mean "
             f"{geo:.2f}, range {min(ratios):.2f}-{max(ratios):.2f}, {close}/{len(ok)} within "
             f"1.3x, {within}/{len(ok)} within 1.5x; model states: range "
-            f"{min(states):.3f}-{max(states):.3f}"
+            f"{min(states):.3f}-{max(states):.3f}; peak memory: range {min(peaks):.2f}-"
+            f"{max(peaks):.2f}, {sum(1 for x in peaks if 1 / 1.1 <= x <= 1.1)}/{len(ok)} "
+            "within 10%"
         )
     failed = [r for r in rows if "error" in r]
     if failed:

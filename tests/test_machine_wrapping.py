@@ -1,9 +1,10 @@
 """The machine profile times the run's own layout: the trainer's whole step with one and
-two layers per stage (tp 1), the model under its tensor parallelism, and (where the step
-could not be timed) the data-parallel wrapping on one and two of the job's blocks (DDP,
-ZeroRedundancyOptimizer, FSDP2 units), on the live gloo group (observe/machine.py). These
-figures carry the CPU host model of `predicted` (plan/timing.py); how close it comes is
-a speed figure, reported by benchmarks/planner_accuracy.py."""
+two layers per stage (tp 1, or tensor-parallel stages of a pipeline), the model under
+its tensor parallelism alone, and (where the step could not be timed) the data-parallel
+wrapping on one and two of the job's blocks (DDP, ZeroRedundancyOptimizer, FSDP2 units),
+on the live gloo group (observe/machine.py). These figures carry the CPU host model of
+`predicted` (plan/timing.py); how close it comes is a speed figure, reported by
+benchmarks/planner_accuracy.py."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
     assert got["optimizer_one_s"] > 0 and got["optimizer_two_s"] > 0  # on DTensors
 
 
-def _steps(parallel: dict, recompute: str) -> tuple[dict, list[str]]:
+def _steps(parallel: dict, recompute: str, world: int = 2) -> tuple[dict, list[str]]:
     import torch
 
     from meshforge.observe.machine import measure_steps
@@ -78,7 +79,7 @@ def _steps(parallel: dict, recompute: str) -> tuple[dict, list[str]]:
                         "parallel": parallel,
                         "train": {"micro_batch": 2, "global_batch": 4,
                                   "activation_checkpointing": recompute}})  # fmt: skip
-    mesh = ParallelDims.from_config(cfg, 2).build_mesh(torch.device("cpu"))
+    mesh = ParallelDims.from_config(cfg, world).build_mesh(torch.device("cpu"))
     timed = measure_steps(cfg, torch.device("cpu"), mesh, repeats=2)
     # what a run records and reads back (report.json `predicted.host`)
     again = HostCosts.from_dict({"optimizer_bytes_per_s": 1e9,
@@ -97,6 +98,16 @@ def test_the_pipeline_is_timed_with_the_trainers_step(gloo, schedule, recompute)
     assert (got["dp"], got["zero"], got["micro_batch"], got["microbatches"]) == (1, 0, 2, 2)
     assert got["one_layer_s"] > 0 and got["two_layers_s"] > 0
     assert all("step" in w for w in warnings)  # only ever about this figure
+
+
+def test_a_pipeline_of_tensor_parallel_stages_is_timed_with_the_trainers_step(gloo):
+    results = gloo.run(4, _steps, {"pp": 2, "tp": 2, "pp_schedule": "1f1b"}, "none", 4)
+    assert all(r == results[0] for r in results)
+    got, _ = results[0]
+    assert (got["tp"], got["pp"], got["schedule"], got["dp"], got["microbatches"]) == (
+        2, 2, "1f1b", 1, 2
+    )  # fmt: skip
+    assert got["one_layer_s"] > 0 and got["two_layers_s"] > 0
 
 
 @pytest.mark.parametrize("zero", [1, 3])

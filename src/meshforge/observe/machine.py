@@ -15,9 +15,10 @@ optimizer   the trainer's step (gradient norm, clipping, AdamW) on the GPT's own
             parameter shapes, as plain tensors (DDP, ZeRO-1) and as FSDP2's DTensor
             shards (ZeRO-2/3): 32 bytes per parameter the rank updates ÷ time.
 all-reduce  gloo (CPU) or NCCL (GPU) fp32 all-reduce on the run's group at three sizes.
-layout      the run's own layout, as the trainer runs it: with tp 1, its whole step
-            (accumulation or pipeline schedule, data-parallel wrapping, optimizer) with
-            one and two layers per stage; under tensor parallelism (no pipeline), the
+layout      the run's own layout, as the trainer runs it: with tp 1 or a pipeline,
+            its whole step (accumulation or pipeline schedule, tensor-parallel plan,
+            data-parallel wrapping, optimizer, a logged step's exchanges) with one and
+            two layers per stage; under tensor parallelism alone (no pipeline), the
             model cut to one and two blocks and sharded by its own plan; where the step
             could not be timed, the data-parallel wrapping alone on one and two blocks
             (`TimedSteps`, `TensorParallelModels`, `WrappedBlocks` in plan/timing.py: the
@@ -489,8 +490,9 @@ def measure_tensor_parallel(
 
 
 def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 7) -> TimedSteps:
-    """Seconds of one optimizer step of the job's layout (tp 1) through its model cut to
-    one and to two layers per stage (one stage without a pipeline), run by the trainer's
+    """Seconds of one optimizer step of the job's layout (tp 1, or tensor-parallel
+    stages of a pipeline) through its model cut to one and to two layers per stage (one
+    stage without a pipeline), run by the trainer's
     own code: its model parts (`build_model_parts`: the pipeline split, the job's
     activation checkpointing and data-parallel wrapping over `mesh`'s dp), its
     Optimizers and its step (`train.step.make_step`: the accumulated micro-batches or
@@ -534,7 +536,7 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     one, two = _agreed_seconds(seconds, device, None)
     schedule = dims.pp_schedule if dims.pp > 1 else "none"
     return TimedSteps(dims.pp, dims.n_stages // dims.pp, schedule, dims.dp, dims.zero, b, m,
-                      one, two)  # fmt: skip
+                      one, two, tp=dims.tp)  # fmt: skip
 
 
 # -- the all-reduce ------------------------------------------------------------------------
@@ -657,10 +659,13 @@ def _time_job(
     seconds, matmul_s, plain, sharded, recompute = _agreed_seconds(local[1:], device, group)
     if failed:
         return None, None
-    # the run's own step, timed whole (tp 1: data parallel, accumulation, a pipeline);
-    # under tensor parallelism the model under its plan
+    # the run's own step, timed whole (tp 1: data parallel, accumulation, a pipeline;
+    # a pipeline of tensor-parallel stages); under tensor parallelism alone the model
+    # under its plan
     steps = tensor_parallel = wrapped = None
-    if layout_mesh is not None and layout_mesh["tp"].size() == 1:
+    if layout_mesh is not None and (
+        layout_mesh["tp"].size() == 1 or layout_mesh["pp"].size() > 1
+    ):
         try:
             steps = measure_steps(cfg, device, layout_mesh)
         except Exception as exc:  # the wrapping's figures, or the traffic model

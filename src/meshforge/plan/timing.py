@@ -380,7 +380,8 @@ class TensorParallelModels:
 
 @dataclass(frozen=True)
 class TimedSteps:
-    """One optimizer step of the run's own layout (tp 1) as the trainer runs it (its
+    """One optimizer step of the run's own layout (tp 1, or a pipeline of tensor-parallel
+    stages) as the trainer runs it (its
     model parts with the job's recomputation and data-parallel wrapping, its
     accumulation or pipeline schedule, the gradient norm, clipping and AdamW), through
     the model cut to one and to two layers per stage (observe/machine.py; a layout
@@ -397,14 +398,16 @@ class TimedSteps:
     microbatches: int
     one_layer_s: float  # a step with one layer in every stage
     two_layers_s: float  # ... with two
+    tp: int = 1
 
     def matches(self, layout: Layout, schedule: str, micro_batch: int, microbatches: int) -> bool:
         schedule = schedule if layout.pp > 1 else "none"
         return (
-            self.pp, self.schedule, self.dp, self.zero, self.micro_batch, self.microbatches
+            self.tp, self.pp, self.schedule, self.dp, self.zero, self.micro_batch,
+            self.microbatches,
         ) == (
-            layout.pp, schedule, layout.dp, layout.zero, micro_batch, microbatches
-        ) and layout.tp == 1  # fmt: skip
+            layout.tp, layout.pp, schedule, layout.dp, layout.zero, micro_batch, microbatches
+        )  # fmt: skip
 
     def step_s(self, layers_per_stage: float) -> float:
         """A step whose slowest stage holds `layers_per_stage` layers."""
@@ -423,7 +426,7 @@ class HostCosts:
     # seconds full recomputation adds to one layer's forward+backward at the run's
     # micro-batch, as the trainer recomputes (torch.utils.checkpoint, its hooks included)
     recompute_layer_s: float | None = None
-    steps: TimedSteps | None = None  # the run's own step, timed (tp 1)
+    steps: TimedSteps | None = None  # the run's own step, timed (tp 1, or tp with pp)
 
     @classmethod
     def from_profile(cls, profile: MachineProfile) -> HostCosts:
