@@ -187,6 +187,35 @@ def test_every_pipeline_the_trainer_accepts_gets_a_prediction(parallel, batch):
     assert out["step_time_s"] > 0 and out["layout"]["pp"] == 2
 
 
+def _rank_params(raw: dict) -> int:
+    """Parameters the trainer's engine puts on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from meshforge.train.engine import Engine
+
+    engine = Engine.build(build_config(raw), dist.get_rank(), 2, torch.device("cpu"))
+    return sum(p.numel() for p in engine.parts.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b", "zbv"])
+def test_the_busiest_pipeline_rank_holds_what_the_trainer_puts_there(gloo, schedule):
+    """Six untied layers on two ranks: 1F1B and GPipe three per rank (and the
+    embedding or the head); interleaved
+    stages 0, 2 and 1, 3 of [1, 2, 2, 1] layers; ZB-V stages 0, 3 (both ends of the
+    model, two layers) and 1, 2 (four layers)."""
+    parallel = {"pp": 2, "pp_schedule": schedule}
+    if schedule == "interleaved_1f1b":
+        parallel["virtual_stages"] = 2
+    raw = {"model": {**MODEL, "n_layers": 6, "tie_embeddings": False}, "parallel": parallel,
+           "train": {**TRAIN, "global_batch": 8, "micro_batch": 4}}  # fmt: skip
+    held = gloo.run(2, _rank_params, raw)
+    out = predict_for_job(build_config(raw), 2, PROFILE)
+    # the rank of most memory (activations included: GPipe's last rank, with the
+    # logits) holds what the trainer's rank holds, in fp32
+    assert out["model_state_bytes"]["params"] in [4 * n for n in held], held
+
+
 def _host_times(layout: Layout, host: HostCosts, micro: int = 8) -> dict[str, float]:
     shape = GPTShape(2, 128, 4, 256, 64)
     pred = predict_run(shape, layout, 16, micro, "fp32", "none", PROFILE)
@@ -280,6 +309,13 @@ def test_a_timed_pipeline_is_the_step_of_its_own_layout_only():
     )
     for other, micro in ((Layout(pp=2), 8), (Layout(pp=2, dp=2), 4)):
         assert _host_times(other, timed, micro) == _host_times(other, plain, micro)
+    # ZB-V, two stages per rank in a V: six layers in stages of [1, 2, 2, 1], so the
+    # second rank holds four (two per stage), where a loop placement would give three
+    vee = HostCosts(2e9, 2e8, steps=replace(pipe, stages_per_rank=2, schedule="zbv"))
+    six = GPTShape(6, 128, 4, 256, 64)
+    pred = predict_run(six, Layout(pp=2), 16, 4, "fp32", "none", PROFILE, schedule="zbv")
+    got = host_step_time(pred, six, cluster, vee, schedule="zbv")
+    assert got["compute_s"] == pytest.approx(0.035)  # the two-layer figure
 
 
 def test_full_recomputation_costs_what_was_timed_on_a_layer():

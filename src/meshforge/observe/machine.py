@@ -663,9 +663,7 @@ def _time_job(
     # a pipeline of tensor-parallel stages); under tensor parallelism alone the model
     # under its plan
     steps = tensor_parallel = wrapped = None
-    if layout_mesh is not None and (
-        layout_mesh["tp"].size() == 1 or layout_mesh["pp"].size() > 1
-    ):
+    if layout_mesh is not None and (layout_mesh["tp"].size() == 1 or layout_mesh["pp"].size() > 1):
         try:
             steps = measure_steps(cfg, device, layout_mesh)
         except Exception as exc:  # the wrapping's figures, or the traffic model
@@ -765,6 +763,10 @@ def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> Measure
     # yet, but its first steps do (a new user's trial: 314 MB against 341 MB, with the
     # same peak): it takes the baseline of the run that measured, when larger.
     runtime = _runtime_bytes(device, cfg, world) if cfg is not None else 0.0
+    # the largest process's: the prediction is the busiest rank's peak, and the ranks'
+    # allocators grow apart (measured here: one rank of four 30 MB above the others
+    # after the same measurements, a different rank from one run to the next)
+    (runtime,) = _max_across([runtime], device, None)
     if cached is not None:
         runtime = max(runtime, float(entry.get("runtime_bytes") or 0.0))
     elif world == 1 or dist.get_rank() == 0:

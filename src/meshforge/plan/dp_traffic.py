@@ -70,12 +70,15 @@ class RankModel:
         return [self.block_params] * self.layers + ([self.root_params] if self.root_params else [])
 
 
-def rank_models(shape: GPTShape, tp: int = 1, pp: int = 1, virtual: int = 1) -> list[RankModel]:
+def rank_models(
+    shape: GPTShape, tp: int = 1, pp: int = 1, virtual: int = 1, zbv: bool = False
+) -> list[RankModel]:
     """Each pipeline rank's share, as `flops.rank_params` counts it (Megatron's split:
     weight matrices and column-parallel biases ÷ t, norms and row-parallel biases
-    replicated, vocabulary-parallel embedding; the last stage's own head)."""
+    replicated, vocabulary-parallel embedding; the last stage's own head). `zbv`: ZB-V's
+    placement (stages r and 2pp-1-r), `virtual` ignored."""
     out = []
-    for r in pipeline_ranks(shape.n_layers, pp, virtual):
+    for r in pipeline_ranks(shape.n_layers, pp, virtual, zbv):
         held = rank_params(shape, tp, r)
         out.append(RankModel(r.layers, r.embedding, r.head, held.block, held.root))
     return out

@@ -196,12 +196,16 @@ def evaluate(
             calibration=cluster.device.calibration,
         )  # fmt: skip
     total_params = float(gpt_param_count(shape).total)
-    stages = pipeline_ranks(shape.n_layers, layout.pp, layout.virtual_stages)
+    # ZB-V holds stages r and 2pp-1-r: the first rank both ends of the model
+    zbv = schedule == "zbv" and layout.pp > 1
+    stages = pipeline_ranks(shape.n_layers, layout.pp, layout.virtual_stages, zbv)
     # With uneven stages any rank can hold the most. Among ranks holding the same share
     # the first does (later ones keep fewer micro-batches in flight), so one of each.
     distinct = {(r.layers, r.embedding, r.head): r for r in reversed(stages)}.values()
-    per_rank = {r.pp_rank: _stage_memory(shape, layout, training, cluster, convention, r)
-                for r in distinct}  # fmt: skip
+    per_rank = {
+        r.pp_rank: _stage_memory(shape, layout, training, cluster, convention, r, schedule)
+        for r in distinct
+    }
     memory_rank = max(per_rank, key=lambda r: (per_rank[r].total, -r))
     flops = microbatch_flops(shape, training.micro_batch)
     n_micro = training.global_batch / training.micro_batch  # micro-batches in the whole job
@@ -229,8 +233,10 @@ def _stage_memory(
     cluster: Cluster,
     convention: str,
     stages: RankStages,
+    schedule: str = "1f1b",
 ) -> MemoryEstimate:
-    """The memory of the pipeline rank holding `stages` (the whole model without pp)."""
+    """The memory of the pipeline rank holding `stages` (the whole model without pp),
+    under the trainer's pipeline `schedule` (GPipe keeps every micro-batch)."""
     rank = rank_params(shape, layout.tp, stages)
     activations = rank_activation_bytes(
         shape,
@@ -244,6 +250,7 @@ def _stage_memory(
         training.precision,
         training.sdpa,
         training.microbatches(layout.dp),
+        schedule,
     )
     return _rank_memory(
         rank.total, rank.block, rank.root, activations, layout, training, cluster, convention

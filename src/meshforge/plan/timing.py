@@ -527,7 +527,8 @@ def host_step_time(
         # wrapping, the job's accumulation and recomputation, the optimizer, and a logged
         # step's exchanges
         v = timed.stages_per_rank
-        per_rank = max(r.layers for r in rank_models(shape, 1, layout.pp, v))
+        zbv = schedule == "zbv"
+        per_rank = max(r.layers for r in rank_models(shape, 1, layout.pp, v, zbv))
         compute = timed.step_s(per_rank / v)
         model_parallel, bubble, comm, optimizer, logging = 0.0, 0.0, 0.0, 0.0, 0.0
     step = compute + model_parallel + bubble + comm + logging + optimizer

@@ -315,13 +315,11 @@ class Trainer:
         if not self.dims.parameter_server and not c.model.is_factory:
             whole = not (self.dims.tp_enabled or self.dims.pp_enabled)
             group = self.mesh["dp"] if whole else None
-            # the run's own layout timed: its whole step (tp 1), or its model under
-            # tensor parallelism (no pipeline); both at once only by the planner's model
-            both = self.dims.tp_enabled and self.dims.pp_enabled
+            # the run's own layout timed: its whole step (tp 1, or a pipeline of
+            # tensor-parallel stages), or its model under tensor parallelism alone
             self.machine_profile = measure_profile(
-                self.device, c.precision.dtype, group, c,
-                layout_mesh=None if both else self.mesh,
-            )  # fmt: skip
+                self.device, c.precision.dtype, group, c, layout_mesh=self.mesh
+            )
         resumed_from = self._resume()
         start = resumed_from or 0
         if rt.is_main:
