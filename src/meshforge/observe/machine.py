@@ -489,6 +489,9 @@ def measure_tensor_parallel(
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
 
 
+STEP_BUDGET_S = 0.5  # seconds of timed steps per model size, beyond `repeats`
+
+
 def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 7) -> TimedSteps:
     """Seconds of one optimizer step of the job's layout (tp 1, or tensor-parallel
     stages of a pipeline) through its model cut to one and to two layers per stage (one
@@ -498,8 +501,9 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     Optimizers and its step (`train.step.make_step`: the accumulated micro-batches or
     the pipeline schedule with its sends, the loss, the gradient norm and clipping,
     AdamW), timed as a logged step: with the norm, and the loss and rank figures the
-    trainer exchanges at each logged step. Collective: every rank of `mesh` calls it (a
-    fixed number of repeats)."""
+    trainer exchanges at each logged step; the median of `repeats` passes or more (a
+    short step as many as fit in STEP_BUDGET_S, at most 50). Collective: every rank of
+    `mesh` calls it (the same number of passes)."""
     from meshforge.observe.straggler import StragglerWatch, rank_figures
     from meshforge.parallel.dims import ParallelDims
     from meshforge.parallel.parallelize import build_model_parts
@@ -531,7 +535,15 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
             strategy.sync()
 
         run()  # torch's shape inference on the first step
-        seconds.append(_time_passes(run, device, 0.0, repeats))
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        # a short step is timed more often (up to about STEP_BUDGET_S, at most 50 times),
+        # a load that comes and goes weighing less on its median; the same count on
+        # every rank (collectives)
+        (first,) = _max_across([time.perf_counter() - t0], device, None)
+        n = max(repeats, min(50, int(STEP_BUDGET_S / max(first, 1e-6))))
+        seconds.append(_time_passes(run, device, 0.0, n))
         del strategy, optimizers, parts
     one, two = _agreed_seconds(seconds, device, None)
     schedule = dims.pp_schedule if dims.pp > 1 else "none"
