@@ -7,10 +7,8 @@ for DDP and ZeRO-3 at world 2: model-state memory within 10% per rank, and a ste
 prediction whose parts add up (its accuracy is a speed figure, reported by
 benchmarks/planner_accuracy.py).
 
-The model is the tiny GPT widened to d_model=128 so that its matmuls, not Python's
-per-op overhead, make up most of a step (the planner models FLOPs, collectives and the
-optimizer; it does not model the interpreter: on d_model=32 it under-predicts, see
-benchmarks/planner_accuracy.py and docs/planner.md).
+The model is the tiny GPT widened to d_model=128, as in benchmarks/planner_accuracy.py,
+whose small GPT it is.
 """
 
 from __future__ import annotations
