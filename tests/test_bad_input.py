@@ -118,7 +118,12 @@ CASES = [
         ["precision.dtype=fp16", "parallel.tp=2", "bf16"],
     ),
     ("unknown-schedule", {"parallel": {"pp_schedule": "dualpipe"}}, [], ["parallel.pp_schedule"]),
-    ("invalid-yaml", "model: {d_model: 32\ntrain: [", [], ["invalid YAML"]),
+    (
+        "invalid-yaml",
+        "model: {d_model: 32\ntrain: [",
+        [],
+        ["invalid YAML", "flow mapping at line 1"],
+    ),
     ("not-a-mapping", "- just\n- a list\n", [], ["mapping"]),
     ("empty-file", "", [], ["empty"]),
     ("only-comments", "# a job file\n# with nothing in it\n", [], ["empty"]),

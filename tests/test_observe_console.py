@@ -127,3 +127,10 @@ def test_summary_survives_a_sparse_failed_report() -> None:
     print_summary({"status": "failed", "layout": "[dp=2]"}, console=console)
     text = out.getvalue()
     assert "failed" in text and "[dp=2]" in text and "no" in text
+
+
+def test_a_stopped_runs_summary_says_where_it_stopped() -> None:
+    console, out = _console(terminal=False)
+    report = {"status": "stopped", "steps": 12, "stopped": {"signal": "SIGINT", "step": 1}}
+    print_summary(report, console=console)
+    assert "1 of 12 (stopped)" in out.getvalue()

@@ -94,6 +94,7 @@ def test_cpu_profile_file(tmp_path):
         (ISSUE_FORM[:-7] + ["--tp", "7"], ["tp=7", "--gpus 1024"]),
         (ISSUE_FORM[:-7] + ["--tp", "64", "--pp", "1"], ["--tp 64 does not divide --heads 96"]),
         (["--params", "1e9", "--gpus", "8", "--gpu", "b300"], ["--gpu", "b300"]),
+        (["--params", "1e9", "--gpus", "8", "--gpu", "h1000"], ["did you mean h100?"]),
         (["--params", "1e9", "--gpus", "8", "--network", "carrier-pigeon"], ["--network"]),
         (["--params", "1e9", "--gpus", "8", "--memory-convention", "ds"], ["--memory-convention"]),
         (["--params", "1e9", "--gpus", "8", "--precision", "fp8"], ["--precision"]),

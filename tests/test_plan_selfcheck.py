@@ -64,9 +64,13 @@ def test_prediction_matches_the_run_at_world_2(job_factory, zero):
     job = job_factory(
         {"model": MODEL, "parallel": {"zero": zero}, "train": TRAIN}, name=f"zero{zero}"
     )
-    job.train(2)
+    proc = job.train(2)
     _selfcheck(job, f"zero={zero}")
     predicted = job.report["predicted"]
+    # the console says where the machine figures come from
+    cached = predicted["measurement"]["cached"]
+    said = "machine profile from the cache" if cached else "machine profile measured"
+    assert said in proc.stdout + proc.stderr
     assert predicted["layout"]["dp"] == 2 and predicted["layout"]["zero"] == zero
     assert predicted["profile"]["allreduce_busbw_bytes_per_s"] > 0
     assert predicted["measurement"]["allreduce"]["points"]  # measured on the live group

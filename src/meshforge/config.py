@@ -630,7 +630,14 @@ def read_yaml_file(path: str | Path, kind: str = "config file") -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"invalid YAML in {path}{where}") from None
+        # the parser's own words: what it expected, and what it was inside (an
+        # unclosed brace names the line it opened on)
+        problem = " ".join(str(getattr(exc, "problem", "") or "").split())
+        context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if problem and context and opened is not None:
+            problem += f" ({' '.join(str(context).split())} at line {opened.line + 1})"
+        why = f": {problem}" if problem else ""
+        raise ConfigError(f"invalid YAML in {path}{where}{why}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{kind} is not UTF-8 text: {path}") from None
 

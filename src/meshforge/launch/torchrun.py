@@ -150,9 +150,9 @@ def local_world_size(value: str) -> int:
         cause = exc.args[0] if exc.args else "invalid"
         if str(value) == "gpu":
             cause = "no CUDA device is visible"
-        raise ConfigError(f"--nproc-per-node {value}: {cause}") from None
+        raise ConfigError(f"--nproc/--nproc-per-node {value}: {cause}") from None
     if n < 1:
-        raise ConfigError(f"--nproc-per-node {value}: needs at least one process")
+        raise ConfigError(f"--nproc/--nproc-per-node {value}: needs at least one process")
     return n
 
 

@@ -260,6 +260,13 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _steps_text(report: dict[str, Any]) -> str:
+    """The job's steps; for a stopped run the step it stopped after, of those."""
+    steps = report.get("steps", "n/a")
+    at = (report.get("stopped") or {}).get("step")
+    return f"{at} of {steps} (stopped)" if isinstance(at, int) else str(steps)
+
+
 def print_summary(report: dict[str, Any], console: Console | None = None) -> None:
     """Print the fields of ``report.json`` a user reads first, as one table."""
     console = console if console is not None else Console()
@@ -269,7 +276,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
     resumed = report.get("resumed_from")
     rows = [
         ("status", str(report.get("status", "n/a"))),
-        ("steps", str(report.get("steps", "n/a"))),
+        ("steps", _steps_text(report)),
         ("world size", str(report.get("world_size", "n/a"))),
         ("layout", _layout_text(report.get("layout"))),
         ("parameters", format_count(report.get("model_params"))),

@@ -8,6 +8,7 @@ bus bandwidth (nccl-tests convention) that an all-reduce typically reaches on it
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from meshforge.errors import ConfigError
@@ -65,7 +66,9 @@ def gpu_spec(name: str) -> DeviceSpec:
     key = gpu_key(name)
     if key is None:
         known = ", ".join(GPU_CATALOGUE)
-        raise ConfigError(f"--gpu {name!r} is not in the catalogue ({known})")
+        close = difflib.get_close_matches(name.lower(), [*GPU_CATALOGUE, *GPU_ALIASES], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"--gpu {name!r} is not in the catalogue ({known}){hint}")
     return GPU_CATALOGUE[key]
 
 

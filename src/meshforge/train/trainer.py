@@ -363,6 +363,8 @@ class Trainer:
             sinks = self._start_observers(observers, resumed_from)
             if resumed_from is not None:
                 progress.log(f"resumed from checkpoint at step {resumed_from}")
+            if rt.is_main and self.machine_profile is not None:
+                progress.log(_profile_line(self.machine_profile.details))
             interval_t0, interval_steps = time.perf_counter(), 0
             wait0, slow_data_warned = loader.total_wait_s, False
             marks = _comm_marks()
@@ -752,6 +754,19 @@ class Trainer:
         # per device that runs the model: parameter servers run none of its FLOPs
         per_device = tokens_per_s * self.flops_per_token / self.dims.compute_ranks
         return per_device / peak.flops_per_s
+
+
+def _profile_line(details: dict[str, Any]) -> str:
+    """Where the machine figures behind report.json's `predicted` come from."""
+    load = details.get("load_average")
+    then = f", load average {load:.1f}" if load is not None else ""
+    if details.get("cached"):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(details.get("measured_at") or 0))
+        return (
+            f"machine profile from the cache (measured {when}{then}; now "
+            f"{os.getloadavg()[0]:.1f}; --recalibrate measures again)"
+        )
+    return f"machine profile measured{then}; cached for later runs of this job and layout"
 
 
 def _last_logged_step(path: Path) -> int | None:
