@@ -489,7 +489,7 @@ def measure_tensor_parallel(
     return TensorParallelModels(tp_mesh.size(), b, one, two, dp, m, p.zero, opt_one, opt_two)
 
 
-STEP_BUDGET_S = 0.5  # seconds of timed steps per model size, beyond `repeats`
+STEP_BUDGET_S = 0.2  # seconds of timed steps per model size, beyond `repeats`
 
 
 def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 7) -> TimedSteps:
