@@ -222,7 +222,9 @@ def summary(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--quick", action="store_true", help="three runs only (DDP, ZeRO-3 and tp 2 at world 2)")
+    ap.add_argument(
+        "--quick", action="store_true", help="three runs only (DDP, ZeRO-3 and tp 2 at world 2)"
+    )
     args = ap.parse_args()
     todo = cases(args.quick)
     rows = []
