@@ -146,12 +146,14 @@ def _barrier(device: torch.device, group: Any) -> None:
 
 
 def _time_passes(
-    fn: Callable[[], None], device: torch.device, budget_s: float, n: int = 2
+    fn: Callable[[], None], device: torch.device, budget_s: float, n: int = 2, warm: bool = False
 ) -> float:
-    """Median seconds of `fn` after one warm-up, repeated while within `budget_s` (at
-    least `n` times, at most 50; exactly `n` with no budget, as collectives need)."""
-    fn()
-    _sync(device)
+    """Median seconds of `fn` after one warm-up (none if `warm`: the caller ran it),
+    repeated while within `budget_s` (at least `n` times, at most 50; exactly `n` with
+    no budget, as collectives need)."""
+    if not warm:
+        fn()
+        _sync(device)
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < n or (time.perf_counter() - start < budget_s and len(times) < 50):
@@ -495,15 +497,15 @@ STEP_BUDGET_S = 0.2  # seconds of timed steps per model size, beyond `repeats`
 def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int = 7) -> TimedSteps:
     """Seconds of one optimizer step of the job's layout (tp 1, or tensor-parallel
     stages of a pipeline) through its model cut to one and to two layers per stage (one
-    stage without a pipeline), run by the trainer's
-    own code: its model parts (`build_model_parts`: the pipeline split, the job's
-    activation checkpointing and data-parallel wrapping over `mesh`'s dp), its
-    Optimizers and its step (`train.step.make_step`: the accumulated micro-batches or
-    the pipeline schedule with its sends, the loss, the gradient norm and clipping,
-    AdamW), timed as a logged step: with the norm, and the loss and rank figures the
-    trainer exchanges at each logged step; the median of `repeats` passes or more (a
-    short step as many as fit in STEP_BUDGET_S, at most 50). Collective: every rank of
-    `mesh` calls it (the same number of passes)."""
+    stage without a pipeline), run by the trainer's own code: its model parts
+    (`build_model_parts`: the pipeline split, the job's activation checkpointing and
+    data-parallel wrapping over `mesh`'s dp), its Optimizers and its step
+    (`train.step.make_step`: the accumulated micro-batches or the pipeline schedule with
+    its sends, the loss, the gradient norm and clipping, AdamW), timed as a logged step:
+    with the norm, and the loss and rank figures the trainer exchanges at each logged
+    step; the median of `repeats` passes or more (a short step as many as fit in
+    STEP_BUDGET_S, at most 50). Collective: every rank of `mesh` calls it (the same
+    number of passes)."""
     from meshforge.observe.straggler import StragglerWatch, rank_figures
     from meshforge.parallel.dims import ParallelDims
     from meshforge.parallel.parallelize import build_model_parts
@@ -536,14 +538,14 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
 
         run()  # torch's shape inference on the first step
         t0 = time.perf_counter()
-        run()
+        run()  # the warm-up, timed to size the passes
         _sync(device)
         # a short step is timed more often (up to about STEP_BUDGET_S, at most 50 times),
         # a load that comes and goes weighing less on its median; the same count on
         # every rank (collectives)
         (first,) = _max_across([time.perf_counter() - t0], device, None)
         n = max(repeats, min(50, int(STEP_BUDGET_S / max(first, 1e-6))))
-        seconds.append(_time_passes(run, device, 0.0, n))
+        seconds.append(_time_passes(run, device, 0.0, n, warm=True))
         del strategy, optimizers, parts
     one, two = _agreed_seconds(seconds, device, None)
     schedule = dims.pp_schedule if dims.pp > 1 else "none"

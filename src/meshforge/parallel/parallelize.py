@@ -349,6 +349,7 @@ def param_digest(parts: ModelParts, holder: bool) -> str:
     owner: dict[str, tuple[int, tuple[int, ...]]] = {}
     for r, held in enumerate(every):  # a name more than one rank holds: the last one's
         owner.update({name: (r, shape) for name, shape in (held or {}).items()})
+    here = next(iter(params.values())).device if params else torch.device("cpu")
     h = hashlib.sha256()
     for name in sorted(set(owner) | set(params)):
         # every rank of a stage reaches its names in this order: the gathers of shards
@@ -360,8 +361,7 @@ def param_digest(parts: ModelParts, holder: bool) -> str:
         if src != 0 and rank == src:
             dist.send(full, dst=0)
         elif src != 0 and rank == 0:
-            device = next(iter(params.values())).device if params else torch.device("cpu")
-            full = torch.empty(shape, dtype=torch.float32, device=device)
+            full = torch.empty(shape, dtype=torch.float32, device=here)
             dist.recv(full, src=src)
         if rank == 0:
             h.update(name.encode())

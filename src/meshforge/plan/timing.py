@@ -380,14 +380,13 @@ class TensorParallelModels:
 
 @dataclass(frozen=True)
 class TimedSteps:
-    """One optimizer step of the run's own layout (tp 1, or a pipeline of tensor-parallel
-    stages) as the trainer runs it (its
-    model parts with the job's recomputation and data-parallel wrapping, its
-    accumulation or pipeline schedule, the gradient norm, clipping and AdamW), through
-    the model cut to one and to two layers per stage (observe/machine.py; a layout
-    without a pipeline has one stage): the difference is a layer per stage, its
-    collectives, sends, bubble and optimizer share included; the rest the embedding,
-    head, loss and the step's fixed cost."""
+    """One optimizer step of the run's own layout (tp 1, or a pipeline of tensor-
+    parallel stages) as the trainer runs it (its model parts with the job's
+    recomputation and data-parallel wrapping, its accumulation or pipeline schedule, the
+    gradient norm, clipping and AdamW), through the model cut to one and to two layers
+    per stage (observe/machine.py; a layout without a pipeline has one stage): the
+    difference is a layer per stage, its collectives, sends, bubble and optimizer share
+    included; the rest the embedding, head, loss and the step's fixed cost."""
 
     pp: int
     stages_per_rank: int  # more than one with interleaved and ZB-V schedules
