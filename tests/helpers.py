@@ -237,3 +237,45 @@ def training_processes(launcher_pid: int) -> list:
     if zygotes:
         return zygotes[0].children()
     return children
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process PID is in a stop (or gone)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread exited meanwhile
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def stop_processes(processes: list, timeout_s: float = 120.0) -> None:
+    """SIGSTOP each of PROCESSES (psutil.Process) and return once every thread of each has
+    stopped. kill() only queues SIGSTOP: a process the scheduler has not run since takes a
+    signal sent to it after that, but of a lower number (SIGINT, SIGTERM), first, and
+    handles it before it stops, where a test means that signal to wait, pending, until the
+    process is resumed. Raises AssertionError if one does not stop within TIMEOUT_S (a
+    bound for a stuck machine, never a performance threshold)."""
+    import time
+
+    import psutil
+
+    for process in processes:
+        try:
+            process.suspend()
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while True:
+            try:
+                if _all_threads_stopped(process.pid):
+                    break
+            except FileNotFoundError:
+                break  # it had exited before it was stopped
+            except psutil.Error:
+                break
+            assert time.monotonic() < deadline, f"process {process.pid} never stopped"
+            time.sleep(0.01)

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from helpers import TINY_JOB, assert_one_line_error, meshforge
+from helpers import TINY_JOB, assert_one_line_error, meshforge, stop_processes
 from meshforge.errors import ConfigError
 from meshforge.launch import netif
 from meshforge.launch.torchrun import (
@@ -342,8 +342,7 @@ def test_workers_of_a_killed_launcher_checkpoint_and_leave(tmp_path):
             time.sleep(0.2)
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert len(workers) >= 2
-        for w in workers:
-            w.suspend()
+        stop_processes(workers)  # stopped before the launcher dies: none sees it go
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert is_held(run_dir) is True  # the launcher's lock went with it; theirs stays

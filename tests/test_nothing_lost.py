@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from helpers import REPO, Job, assert_one_line_error, meshforge
+from helpers import REPO, Job, assert_one_line_error, meshforge, stop_processes
 from meshforge.errors import CheckpointError, ConfigError, MeshforgeError
 from meshforge.runtime.runlock import (
     LOCK_FILE,
@@ -117,6 +117,9 @@ def _signal_tree(
     if processes is None:
         root = psutil.Process(pid)
         processes = [*root.children(recursive=True), root]
+    if signum == signal.SIGSTOP:  # stopped, every thread, when this returns
+        stop_processes([p for p in processes if p.is_running()])
+        return processes
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signum)

@@ -23,7 +23,15 @@ import psutil
 import pytest
 import yaml
 
-from helpers import REPO, TINY_JOB, Job, assert_one_line_error, meshforge, training_processes
+from helpers import (
+    REPO,
+    TINY_JOB,
+    Job,
+    assert_one_line_error,
+    meshforge,
+    stop_processes,
+    training_processes,
+)
 from meshforge.config import load_config, save_config
 from meshforge.errors import ConfigError
 from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
@@ -226,8 +234,9 @@ def test_a_second_ctrl_c_kills_the_workers_at_once_and_keeps_the_last_checkpoint
             assert time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.2)
         workers = training_processes(proc.pid)
-        for w in workers:  # the workers cannot finish their stop: only a kill ends them
-            w.suspend()
+        # the workers cannot finish their stop: only a kill ends them. Stopped before the
+        # Ctrl-C is sent, so that it waits in them, pending, rather than being handled
+        stop_processes(workers)
         proc.send_signal(signal.SIGINT)
         worker = workers[0]
         while not _pending_signals(worker.pid) & (1 << (signal.SIGINT - 1)):
