@@ -103,6 +103,24 @@ def test_cpu_profile_file(tmp_path):
         (["--params", "1e9", "--gpus", "8", "--cpu-profile", "/nonexistent.json"], ["profile"]),
         (["--params", "abc", "--gpus", "8"], ["--params"]),
         (["--params", "1e9", "--gpus", "8", "--mlp-ratio", "3"], ["--mlp-ratio", "--params"]),
+        ([a if a != "1536" else "0" for a in ISSUE_FORM], ["--global-batch must be >= 1, got 0"]),
+        (["--params", "1e9", "--gpus", "8", "--global-batch", "8"], ["--global-batch", "--params"]),
+        (ISSUE_FORM[:-1] + ["--framework", "horovod"], ["--framework", "deepspeed-pipeline"]),
+        (
+            [
+                "--config",
+                str(REPO / "examples/gpt-tiny.yaml"),
+                "--gpus",
+                "2",
+                "--framework",
+                "megatron-core",
+            ],
+            ["--framework megatron-core with --config"],
+        ),
+        (
+            ["--config", str(REPO / "examples/cluster.yaml"), "--gpus", "8"],
+            ["examples/cluster.yaml", "unknown key 'gpus'"],
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line_naming_it(args, words):
@@ -200,17 +218,39 @@ def test_a_preset_job_plans_the_presets_shape(tmp_path, capsys):
 
 def test_the_search_offers_only_layouts_the_trainer_runs(tmp_path, capsys):
     # gpt2-1.5b ties its head to the embedding: the trainer refuses pp > 1; its
-    # activation checkpointing is none, full or every other block (not Korthikanti's)
-    flags = _json_here(capsys, "--model", "gpt2-1.5b", "--gpus", "64", "--global-batch", "64",
-                       "--top", "20")["candidates"]  # fmt: skip
-    assert any(c["layout"]["pp"] > 1 or c["layout"]["recompute"] == "selective" for c in flags)
+    # activation checkpointing is none, full or every other block (not Korthikanti's).
+    # Its bare shape, given by flags, is any model of that shape: every layout is offered
+    shape = ["--layers", "48", "--hidden", "1600", "--heads", "25", "--vocab", "50257",
+             "--seq", "1024"]  # fmt: skip
+    bare = _json_here(capsys, *shape, "--gpus", "64", "--global-batch", "64", "--top", "20")
+    assert any(c["layout"]["pp"] > 1 or c["layout"]["recompute"] == "selective"
+               for c in bare["candidates"])  # fmt: skip
+    preset = _json_here(capsys, "--model", "gpt2-1.5b", "--gpus", "64", "--global-batch", "64",
+                        "--top", "20")  # fmt: skip
     cfg = {"model": {"preset": "gpt2-1.5b"}, "parallel": "auto",
            "precision": {"dtype": "bf16"}, "train": {"global_batch": 64}}  # fmt: skip
     job = _json_here(capsys, "--config", _job(tmp_path, cfg), "--gpus", "64", "--top", "20")
-    assert job["candidates"]
-    for c in job["candidates"]:
-        assert c["layout"]["pp"] == 1 and c["layout"]["recompute"] != "selective"
-        assert c["layout_fields"] == {k: "searched" for k in LAYOUT_FIELDS}
+    for out in (preset, job):  # the preset is meshforge's model: the trainer's layouts only
+        assert out["candidates"]
+        for c in out["candidates"]:
+            assert c["layout"]["pp"] == 1 and c["layout"]["recompute"] != "selective"
+            assert c["layout"]["tp"] == 1  # tp 2, 4, 8 do not divide the vocabulary, 50257
+            assert c["layout_fields"] == {k: "searched" for k in LAYOUT_FIELDS}
+
+
+def test_a_preset_layout_the_trainer_refuses_is_refused_with_its_reason(capsys):
+    for flags, reason in [
+        (["--model", "gpt2-124m", "--tp", "2", "--gpus", "2"], "does not divide model.vocab_size"),
+        (["--model", "gpt2-124m", "--pp", "2", "--gpus", "2"], "tie_embeddings"),
+        (["--model", "llama-8b", "--tp", "16", "--gpus", "64"], "n_kv_heads=8"),
+    ]:
+        refused = _plan_here(capsys, *flags, "--global-batch", "512")
+        assert_one_line_error(refused, reason)
+    # the same shapes by flags are any model's: planned
+    bare = _json_here(capsys, "--layers", "12", "--hidden", "768", "--heads", "12", "--vocab",
+                      "50257", "--seq", "1024", "--tp", "2", "--gpus", "2", "--global-batch",
+                      "512")  # fmt: skip
+    assert bare["layout"]["tp"] == 2
 
 
 def test_set_overrides_the_job_as_for_train(capsys):
@@ -360,3 +400,91 @@ def test_the_profile_cache_a_run_writes_is_a_profile_plan_reads(tmp_path):
     assert_one_line_error(
         _plan(*shape, "--cpu-profile", str(cache)), "2 measured machines", "a|cpu"
     )
+
+
+def test_ctrl_c_during_a_search_is_one_line_and_exit_130(capsys, monkeypatch):
+    import os
+    import signal
+    import time
+
+    import meshforge.plan.request as request
+
+    def interrupted(*args, **kwargs):  # the search, as a Ctrl-C reaches it
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the handler raises inside this call
+        raise AssertionError("SIGINT did not interrupt the search")
+
+    monkeypatch.setattr(request, "plan", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    stopped = _plan_here(capsys, "--model", "llama-8b", "--gpus", "64", "--global-batch", "512")
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr.strip().splitlines() == ["meshforge: interrupted (Ctrl-C)"]
+    assert signal.getsignal(signal.SIGINT) is before  # the CLI left it as it found it
+
+
+def test_a_published_run_is_planned_from_flags_as_the_validation_plans_it(capsys):
+    """BLOOM-176B (DeepSpeed's pipeline engine, 100 Gb/s Omni-Path ports) and Megatron-Core's
+    GPT 7.1B (its buckets and overlaps) from the command line: the step time of their rows
+    in the validation table (plan/validation.py), to the digit."""
+    from meshforge.plan.published import PUBLISHED_RUNS
+    from meshforge.plan.validation import planner_inputs, predicted_step_s
+
+    bloom = next(r for r in PUBLISHED_RUNS if r.source == "bloom2022")
+    core = next(r for r in PUBLISHED_RUNS if r.name == "GPT 7.1B")
+    for run, framework in ((bloom, "deepspeed-pipeline"), (core, "megatron-core")):
+        x = planner_inputs(run)
+        flags = ["--layers", run.layers, "--hidden", run.hidden, "--heads", run.heads,
+                 "--vocab", run.vocab, "--seq", run.seq, "--gpus", run.n_gpus,
+                 "--gpu", run.gpu, "--network", run.network or "ib-ndr",
+                 "--tp", run.tp, "--pp", run.pp, "--dp", run.dp, "--zero", run.zero,
+                 "--micro-batch", x.trainings[0].micro_batch, "--virtual-stages",
+                 x.layout.virtual_stages, "--global-batch", run.global_batch,
+                 "--recompute", run.recompute, "--precision", run.precision,
+                 "--no-sequence-parallel"]  # fmt: skip
+        if run.sequence_parallel:
+            flags[-1] = "--sequence-parallel"
+        if run.nics_per_node:
+            flags += ["--nics-per-node", run.nics_per_node]
+        if run.tied_embeddings is False:
+            flags += ["--no-tie-embeddings"]
+        out = _json_here(capsys, *map(str, flags), "--framework", framework)
+        assert out["framework"] == framework
+        assert out["step_time_s"] == pytest.approx(predicted_step_s(run), rel=1e-9)
+        ours = _json_here(capsys, *map(str, flags))  # meshforge's own trainer
+        assert ours["step_time_s"] != pytest.approx(out["step_time_s"], rel=1e-3)
+
+
+def test_uneven_pipeline_stages_are_shown_with_the_ranks_that_set_pace_and_memory(capsys):
+    args = ["--layers", "70", "--hidden", "14336", "--heads", "112", "--vocab", "250880",
+            "--seq", "2048", "--gpus", "384", "--gpu", "a100-80gb", "--tp", "4", "--pp", "12",
+            "--global-batch", "2048", "--recompute", "full"]  # fmt: skip
+    out = _json_here(capsys, *args)
+    assert out["pipeline_stages"] == [5] + [6] * 10 + [5]
+    # the last rank holds the 250880-word head and the loss: it sets the pace
+    assert out["slowest_pp_rank"] == 11
+    table = _plan_here(capsys, *args)
+    assert "pipeline stages" in table.stdout
+    assert f"5, 6 x10, 5 layers; slowest rank 11; most memory rank {out['memory_pp_rank']}" in (
+        table.stdout
+    )
+
+
+def test_a_port_rate_names_a_link_without_a_preset(capsys):
+    base = ISSUE_FORM[:-1]
+    i = base.index("--network")
+    slow = _json_here(capsys, *base[:i], "--network", "roce-100g", *base[i + 2 :])
+    fast = _json_here(capsys, *base[:i], "--network", "roce-400g", *base[i + 2 :])
+    assert fast["step_time_s"] < slow["step_time_s"]
+
+
+def test_a_runs_config_is_planned_at_the_world_size_it_ran(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((REPO / "examples/gpt-tiny.yaml").read_text())  # dp: auto
+    (run / "report.json").write_text(json.dumps({"world_size": 2}))
+    proc = _plan_here(capsys, "--config", str(run / "config.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["n_gpus"] == 2
+    assert "--gpus 2" in proc.stderr and "report.json" in proc.stderr
+    (run / "report.json").unlink()  # a job file elsewhere: --gpus is needed
+    assert_one_line_error(_plan_here(capsys, "--config", str(run / "config.yaml")), "--gpus")

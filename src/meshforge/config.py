@@ -657,7 +657,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     raw = load_raw(path) if path is not None else {}
     for assignment in overrides or []:
         apply_override(raw, assignment)
-    return build_config(raw)
+    if path is None:
+        return build_config(raw)
+    try:
+        return build_config(raw)
+    except ConfigError as exc:  # which file: a job file, or a cluster file given as one
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def dump_config(cfg: JobConfig) -> str:

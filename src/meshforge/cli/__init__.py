@@ -4,6 +4,7 @@ Exit codes: 0 success, 1 a run failed, 2 invalid input (one line on stderr)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -38,7 +39,34 @@ def _fail_usage(message: str) -> None:
     sys.exit(2)
 
 
+class CtrlC:
+    """Whether Ctrl-C ended a command: typer turns the KeyboardInterrupt into exit code
+    130 without a word, so `main` says it, unless the command said what the stop left
+    behind itself (`CtrlC.reported = True`). Commands with their own SIGINT handling
+    (train's launcher) replace the handler and are not counted."""
+
+    pressed = False
+    reported = False
+
+
+def _on_sigint(signum, frame) -> None:  # noqa: ARG001 - signal API
+    CtrlC.pressed = True
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        _main(argv)
+    finally:  # called in-process (tests, the zygote's workers): as it found it
+        if signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> None:
+    CtrlC.pressed = CtrlC.reported = False
     try:
         rc = app(args=argv, standalone_mode=False)
     except click_exc.NoArgsIsHelpError as exc:
@@ -55,4 +83,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except MeshforgeError as exc:
         _fail_usage(str(exc))
+    if rc == 130 and CtrlC.pressed and not CtrlC.reported:
+        print("meshforge: interrupted (Ctrl-C)", file=sys.stderr)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -84,6 +84,7 @@ def cost_command(
     if run is not None and tokens is not None:
         raise ConfigError("give either --run or --tokens, not both")
     run_costs = None
+    layout: dict[str, Any] | None = None  # the planned run's layout (--tokens)
     if run is not None:
         run_costs = run_cost_from_report(run, costs)
     elif tokens is not None:
@@ -109,13 +110,16 @@ def cost_command(
         if not predictions or not predictions[0].fits:
             raise ConfigError(f"no layout of this model fits on {planned_cluster.n_gpus} GPUs")
         run_costs = run_cost_from_plan(predictions[0], tokens, costs)
+        layout = predictions[0].to_dict()["layout"]
     if as_json:
         out: dict[str, Any] = {"cluster": cluster.name, **costs.to_dict()}
         if run_costs is not None:
             out["run"] = run_costs.to_dict()
+            if layout is not None:
+                out["run"]["layout"] = layout
         typer.echo(json.dumps(out))
         return
-    _print(cluster.name, costs, run_costs)
+    _print(cluster.name, costs, run_costs, layout)
 
 
 def _usd(value: float | None) -> str:
@@ -124,7 +128,18 @@ def _usd(value: float | None) -> str:
     return f"${value:,.2f}" if abs(value) < 1000 else f"${value:,.0f}"
 
 
-def _print(name: str, costs: Tco, run_costs: RunCost | None) -> None:
+def _layout_text(layout: dict[str, Any]) -> str:
+    """`dp8 tp1 pp1 zero1 mb1 none`: the layout the planner chose for a planned run."""
+    text = (f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']} zero{layout['zero']} "
+            f"mb{layout['micro_batch']} {layout['recompute']}")  # fmt: skip
+    if layout["pp"] > 1:
+        text += f" v{layout['virtual_stages']}"
+    return text + (" sp" if layout.get("sequence_parallel") else "")
+
+
+def _print(
+    name: str, costs: Tco, run_costs: RunCost | None, layout: dict[str, Any] | None = None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -146,6 +161,8 @@ def _print(name: str, costs: Tco, run_costs: RunCost | None) -> None:
     ]  # fmt: skip
     if run_costs is not None:
         frac = run_costs.exposed_comm_fraction
+        if layout is not None:
+            rows.append(("run layout (planned)", _layout_text(layout)))
         rows += [
             (f"run ({run_costs.source})", f"{run_costs.gpu_hours:,.1f} GPU-hours"),
             ("run owned / rented", f"{_usd(run_costs.owned_usd)} / {_usd(run_costs.rented_usd)}"),

@@ -25,8 +25,8 @@ _TRAINING = "Training (not with --config: the job gives it)"
 _LAYOUT = "Layout (left out: searched; with --config, each overrides the job's field)"
 
 
-def _opt(*names: str, help: str, panel: str):
-    return typer.Option(*names, help=help, rich_help_panel=panel)
+def _opt(*names: str, help: str, panel: str, metavar: str | None = None):
+    return typer.Option(*names, help=help, rich_help_panel=panel, metavar=metavar)
 
 
 # Option types shared with `meshforge cost` (which plans a run from the same flags).
@@ -47,6 +47,12 @@ MlpRatio = Annotated[
     float | None,
     _opt("--mlp-ratio", help="MLP width / h (default 4; 2.6875 for a SwiGLU-sized MLP).",
          panel=_MODEL),
+]  # fmt: skip
+TiedHead = Annotated[
+    bool | None,
+    _opt("--tie-embeddings/--no-tie-embeddings",
+         help="Whether the output head shares the token embedding (default: a preset's; "
+         "tied for a shape given by flags, as meshforge's gpt).", panel=_MODEL),
 ]  # fmt: skip
 Params = Annotated[
     float | None,
@@ -101,7 +107,12 @@ def plan_command(
     ] = None,
     overrides: Annotated[
         list[str] | None,
-        _opt("--set", help="Override a job key, as for train: KEY.PATH=VALUE.", panel=_JOB),
+        _opt(
+            "--set",
+            help="Override a job key, as for train (repeat it for more: --set a=1 --set b=2).",
+            panel=_JOB,
+            metavar="KEY.PATH=VALUE",
+        ),
     ] = None,
     preset: Preset = None,
     layers: Layers = None,
@@ -110,6 +121,7 @@ def plan_command(
     vocab: Vocab = None,
     seq: Seq = None,
     mlp_ratio: MlpRatio = None,
+    tie_embeddings: TiedHead = None,
     params: Params = None,
     gpus: Gpus = None,
     gpus_per_node: Annotated[
@@ -129,7 +141,8 @@ def plan_command(
         str,
         _opt(
             "--network",
-            help="Inter-node link: ib-hdr, ib-ndr, roce-100, eth-25, eth-10.",
+            help="Inter-node link: ib-hdr, ib-ndr, roce-100, eth-25, eth-10, or a port "
+            "rate <kind>-<N>g (roce-200g: 200 Gb/s ports).",
             panel=_CLUSTER,
         ),
     ] = "ib-ndr",
@@ -161,6 +174,16 @@ def plan_command(
     virtual_stages: VirtualStages = None,
     recompute: Recompute = None,
     sequence_parallel: SequenceParallel = None,
+    framework: Annotated[
+        str,
+        _opt(
+            "--framework",
+            help="The trainer that runs the job: meshforge (its own, torch DDP/FSDP2), "
+            "megatron-lm, megatron-core or deepspeed-pipeline (their overlaps, buckets and "
+            "pipeline transfers; docs/planner.md). Not with --config.",
+            panel=_CLUSTER,
+        ),
+    ] = "meshforge",
     memory_convention: Annotated[
         str, typer.Option("--memory-convention", help="meshforge or zero-paper.")
     ] = "meshforge",
@@ -181,24 +204,33 @@ def plan_command(
         plan,
         plan_json,
         plan_warnings,
+        preset_job,
         world_size_from,
     )
     from meshforge.plan.search import LayoutChoice
+    from meshforge.plan.timing import framework_for
 
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
                          sequence_parallel)  # fmt: skip
     refusal = None
+    trainer = framework_for(framework, "bf16")  # refuses an unknown name first
     if config is not None:
+        if framework != "meshforge":
+            raise ConfigError(
+                f"--framework {framework} with --config: a job file is run by meshforge's "
+                "own trainer; plan another trainer's run from flags (--model or --layers ...)"
+            )
         _refuse_model_flags(
             {"--model": preset, "--layers": layers, "--hidden": hidden, "--heads": heads,
              "--vocab": vocab, "--seq": seq, "--mlp-ratio": mlp_ratio, "--params": params,
+             "--tie-embeddings": tie_embeddings,
              "--global-batch": global_batch, "--precision": precision,
              "--optimizer": optimizer, "--attention": attention}
         )  # fmt: skip
         job = _load_job(config, overrides or [], flags)
         model, training, choice, refusal = job.shape, job.training, job.choice, job.refusal
         fields = job.layout_fields()
-        n = gpus if gpus is not None else _job_world_size(job)
+        n = gpus if gpus is not None else _job_world_size(job, config)
         job.check_given(n)
     else:
         if overrides:
@@ -212,9 +244,15 @@ def plan_command(
                 "count, which has none: give one of them"
             )
         ratio = 4 if mlp_ratio is None else mlp_ratio
-        model = build_model(layers, hidden, heads, vocab, seq, ratio, params, preset)
+        model = build_model(layers, hidden, heads, vocab, seq, ratio, params, preset,
+                            tie_embeddings)  # fmt: skip
         if global_batch is None and params is None:
             raise ConfigError("--global-batch is required with a model shape")
+        if global_batch is not None and params is not None:
+            raise ConfigError(
+                "--global-batch with --params: a bare parameter count plans model states "
+                "only, where the batch plays no part; give a model shape to plan a step"
+            )
         choice = flags
         # with a bare parameter count only dp and zero are searched (search.py)
         fields = layout_fields(choice, "searched")
@@ -223,13 +261,20 @@ def plan_command(
                       for k, v in fields.items()}  # fmt: skip
         n = world_size_from(gpus, choice)
         training = Training(
-            global_batch=global_batch or 1,
+            global_batch=1 if global_batch is None else global_batch,
             micro_batch=micro_batch or 1,
             precision="bf16" if precision is None else precision,
             recompute=recompute or "none",
             optimizer="adamw" if optimizer is None else optimizer,
             sdpa=attention == "sdpa",
         )
+        trainer = framework_for(framework, training.precision)
+        if preset is not None and framework == "meshforge":  # the layouts its trainer runs
+            given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
+                     "seq": seq}  # fmt: skip
+            job = preset_job(preset, given, ratio, training, choice, tie_embeddings)
+            refusal = job.refusal
+            job.check_given(n)
     if profile is not None and gpu is not None:
         raise ConfigError(
             f"--profile and --gpu {gpu} both given: a measured profile is the machine; "
@@ -237,10 +282,12 @@ def plan_command(
         )
     gpu = gpu or "h100"
     cluster = build_cluster(n, gpu, gpus_per_node, network, intra_network, nics_per_node, profile)
-    predictions, is_search = plan(model, training, cluster, choice, memory_convention, top, refusal)
+    predictions, is_search = plan(model, training, cluster, choice, memory_convention, top,
+                                  refusal, trainer)  # fmt: skip
     warnings = plan_warnings(model, predictions, cluster.device)
     if as_json:
-        typer.echo(json.dumps(plan_json(predictions, is_search, fields, warnings)))
+        out = plan_json(predictions, is_search, fields, warnings)
+        typer.echo(json.dumps({**out, "framework": framework}))
         return
     _print_table(predictions, is_search, cluster.device.name, n, fields)
     for warning in warnings:
@@ -252,6 +299,7 @@ _JOB_KEYS = {
     "--model": "model.preset", "--layers": "model.n_layers", "--hidden": "model.d_model",
     "--heads": "model.n_heads", "--vocab": "model.vocab_size", "--seq": "model.seq_len",
     "--mlp-ratio": "model.mlp_ratio", "--global-batch": "train.global_batch",
+    "--tie-embeddings": "model.tie_embeddings",
     "--precision": "precision.dtype",
 }  # fmt: skip
 
@@ -292,12 +340,28 @@ def _load_job(config: Path, overrides: list[str], flags: LayoutChoice) -> JobPla
     return plan_for_job(load_config(config, overrides), flags)
 
 
-def _job_world_size(job: JobPlan) -> int:
+def _run_world_size(config: Path) -> int | None:
+    """The ranks a run trained with, when CONFIG is a run directory's config.yaml (its
+    report.json beside it says), else None."""
+    try:
+        report = json.loads((config.parent / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = report.get("world_size") if isinstance(report, dict) else None
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def _job_world_size(job: JobPlan, config: Path) -> int:
     from meshforge.errors import ConfigError
     from meshforge.plan.job import JOB_FIELDS
 
     if job.world_size is not None:
         return job.world_size
+    ran = _run_world_size(config)
+    if ran is not None:  # a run's config.yaml (dp: auto follows the world size)
+        typer.echo(f"meshforge: note: --gpus {ran}, the world size the run in "
+                   f"{config.parent} trained with (report.json)", err=True)  # fmt: skip
+        return ran
     left = [k for k in ("dp", "tp", "pp") if getattr(job.choice, k) is None]
     raise ConfigError(
         f"--gpus is required: the job leaves {', '.join(JOB_FIELDS[k] for k in left)} to be "
@@ -306,7 +370,27 @@ def _job_world_size(job: JobPlan) -> int:
 
 
 def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+    """GiB, or MiB below a tenth of one (a small model's states read 0.00 GiB)."""
+    if value is None:
+        return "-"
+    if abs(value) < 2**30 / 10 and value:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _stages_text(p: Prediction) -> str:
+    """`5, 6 x10, 5 layers; slowest rank 0, most memory rank 0`: the layers of each
+    pipeline rank (a run of equal ones counted), and the ranks that set the pace and
+    the memory."""
+    runs: list[list[int]] = []
+    for layers in p.pipeline_stages or ():
+        if runs and runs[-1][0] == layers:
+            runs[-1][1] += 1
+        else:
+            runs.append([layers, 1])
+    split = ", ".join(f"{n}" if k == 1 else f"{n} x{k}" for n, k in runs)
+    slowest = "" if p.time is None else f"; slowest rank {p.time.slowest_pp_rank}"
+    return f"{split} layers{slowest}; most memory rank {p.memory_pp_rank}"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -332,13 +416,16 @@ def _layout_text(p: Prediction, fields: dict[str, str]) -> str:
 
 
 def _legend(fields: dict[str, str]) -> str:
-    """`* chosen by the search: dp, zero; given: tp, pp`."""
+    """`* chosen by the search: dp, zero; given: tp, pp` (and the fields a bare
+    parameter count leaves at their defaults)."""
     searched = [k for k, v in fields.items() if v == "searched"]
     given = [k for k, v in fields.items() if v == "given"]
-    return (
+    default = [k for k, v in fields.items() if v == "default"]
+    text = (
         f"* chosen by the search: {', '.join(searched) or 'none'}; "
         f"given: {', '.join(given) or 'none'}"
     )
+    return text + (f"; default: {', '.join(default)}" if default else "")
 
 
 def _hw_tflops(p: Prediction) -> float | None:
@@ -373,7 +460,8 @@ def _print_table(
         )
         for column in ("layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
                        "memory/GPU", "fits"):  # fmt: skip
-            table.add_column(column, justify="left" if column == "layout" else "right")
+            table.add_column(column, justify="left" if column == "layout" else "right",
+                             no_wrap=column == "layout")  # fmt: skip
         for p in predictions:
             table.add_row(
                 _layout_text(p, fields), _num(p.step_time_s, ".3g"), _num(p.tokens_per_s, ",.0f"),
@@ -388,7 +476,7 @@ def _print_table(
     table.add_column("value", justify="right")
     rows = [
         ("layout", _layout_text(p, fields)),
-        ("step time", _num(p.step_time_s, ".4g") + " s"),
+        ("step time", "-" if p.step_time_s is None else f"{p.step_time_s:.4g} s"),
         ("tokens/s", _num(p.tokens_per_s, ",.0f")),
         ("TFLOP/s per GPU (hardware)", _num(_hw_tflops(p), ".1f")),
         ("MFU / HFU", f"{_num(p.mfu, '.1%')} / {_num(p.hfu, '.1%')}"),
@@ -402,6 +490,8 @@ def _print_table(
         ("total / device", f"{_gib(mem.total)} / {_gib(mem.device)}"),
         ("fits", "yes" if p.fits else "NO"),
     ]  # fmt: skip
+    if p.pipeline_stages:
+        rows.insert(6, ("pipeline stages", _stages_text(p)))
     for name, value in rows:
         table.add_row(name, value)
     table.caption = _legend(fields)

@@ -116,6 +116,9 @@ def slurm(
             job_id, on_change=lambda s: print(f"meshforge: job {job_id} {s.state}", flush=True)
         )
     except KeyboardInterrupt:
+        from meshforge.cli import CtrlC
+
+        CtrlC.reported = True
         print(
             f"meshforge: stopped following job {job_id}; it goes on (scancel {job_id})",
             file=sys.stderr,

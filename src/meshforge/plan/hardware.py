@@ -9,6 +9,7 @@ bus bandwidth (nccl-tests convention) that an all-reduce typically reaches on it
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 
 from meshforge.errors import ConfigError
@@ -111,12 +112,28 @@ LINK_PRESETS: dict[str, LinkSpec] = {
 DEFAULT_INTRA_LINK = {gpu.key: gpu.intra_link for gpu in GPUS}
 
 
+# A link by its port rate, "<kind>-<N>g" (roce-200g, omnipath-100g): N Gb/s ports at
+# the RoCE preset's fraction of line rate and a latency between RoCE's and Ethernet's
+# (a stated assumption for fabrics without a preset of their own).
+PORT_LINE_RATE_FRACTION = 0.88
+PORT_LATENCY_S = 8e-6
+_PORT_RATE = re.compile(r"([a-z][a-z0-9]*)-(\d+(?:\.\d+)?)g")
+
+
 def link_spec(name: str, flag: str = "--network") -> LinkSpec:
+    """A link preset, or "<kind>-<N>g": a port of N Gb/s (PORT_LINE_RATE_FRACTION)."""
     key = name.lower()
-    if key not in LINK_PRESETS:
-        known = ", ".join(LINK_PRESETS)
-        raise ConfigError(f"{flag} {name!r} is not a known link preset ({known})")
-    return LINK_PRESETS[key]
+    if key in LINK_PRESETS:
+        return LINK_PRESETS[key]
+    match = _PORT_RATE.fullmatch(key)
+    if match is not None and float(match.group(2)) > 0:
+        line = float(match.group(2)) / 8 * GB
+        return LinkSpec(key, line, PORT_LINE_RATE_FRACTION * line, PORT_LATENCY_S)
+    known = ", ".join(LINK_PRESETS)
+    raise ConfigError(
+        f"{flag} {name!r} is not a known link preset ({known}) or a port rate "
+        "<kind>-<N>g (roce-200g: 200 Gb/s)"
+    )
 
 
 @dataclass(frozen=True)

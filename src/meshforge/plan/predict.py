@@ -28,7 +28,7 @@ from meshforge.plan.memory import (
 )
 from meshforge.plan.profile import MachineProfile
 from meshforge.plan.stages import RankStages, pipeline_ranks
-from meshforge.plan.timing import StepTime, step_time
+from meshforge.plan.timing import Framework, StepTime, step_time
 
 Model = GPTShape | float  # a GPT shape, or a bare parameter count (model-state maths only)
 
@@ -152,6 +152,8 @@ class Prediction:
             "memory_per_gpu_bytes": self.memory.to_dict(),
             "memory_pp_rank": self.memory_pp_rank,
             "pipeline_stages": list(self.pipeline_stages) if self.pipeline_stages else None,
+            # the pipeline rank whose compute sets the pace (None: no time model)
+            "slowest_pp_rank": None if time is None else time.slowest_pp_rank,
             "memory_convention": self.memory.convention,
             "time_breakdown_s": None if time is None else time.to_dict(),
             "training": {
@@ -173,9 +175,11 @@ def evaluate(
     cluster: Cluster,
     convention: str = "meshforge",
     schedule: str = "1f1b",
+    framework: Framework = Framework(),
 ) -> Prediction:
     """Memory and (given a GPT shape) step time of one layout; ConfigError if invalid
-    (`schedule`: the trainer's pipeline schedule, for its micro-batch rules)."""
+    (`schedule`: the trainer's pipeline schedule, for its micro-batch rules;
+    `framework`: the trainer that runs it, timing.Framework, meshforge's by default)."""
     shape = model if isinstance(model, GPTShape) else None
     check_layout(layout, training, shape, schedule)
     if layout.world_size != cluster.n_gpus:
@@ -213,7 +217,7 @@ def evaluate(
         layout=layout,
         training=training,
         memory=per_rank[memory_rank],
-        time=step_time(shape, layout, training, cluster),
+        time=step_time(shape, layout, training, cluster, framework=framework),
         n_gpus=cluster.n_gpus,
         seq_len=shape.seq_len,
         model_params=total_params,

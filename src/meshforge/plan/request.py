@@ -15,6 +15,7 @@ from meshforge.plan.layout import Training
 from meshforge.plan.predict import Model, Prediction
 from meshforge.plan.profile import MachineProfile
 from meshforge.plan.search import LayoutChoice, best_layout, search_layouts
+from meshforge.plan.timing import Framework
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 
@@ -31,12 +32,15 @@ def build_model(
     mlp_ratio: float = 4,
     params: float | None = None,
     preset: str | None = None,
+    tied: bool | None = None,
 ) -> Model:
     """A model shape from a preset (`--model NAME`, the shape flags overriding it),
-    from the five shape flags, or a bare parameter count."""
+    from the five shape flags, or a bare parameter count. `tied`: the output head
+    shares the token embedding (None: the preset's, or tied for a bare shape, as
+    meshforge's gpt)."""
     given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq}
     if params is not None:
-        if any(v is not None for v in given.values()) or preset is not None:
+        if any(v is not None for v in given.values()) or preset is not None or tied is not None:
             raise ConfigError(
                 "give either --params or the model (--model or --layers ...), not both"
             )
@@ -44,7 +48,7 @@ def build_model(
             raise ConfigError(f"--params must be > 0, got {params}")
         return float(params)
     if preset is not None:
-        return _preset_shape(preset, given, mlp_ratio)
+        return _preset_shape(preset, given, mlp_ratio, tied)
     missing = [f"--{k}" for k, v in given.items() if v is None]
     if missing:
         raise ConfigError(
@@ -57,25 +61,45 @@ def build_model(
         raise ConfigError(f"--mlp-ratio must be between 1 and {MAX_MLP_RATIO}, got {mlp_ratio}")
     if hidden % heads:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
+    tie = True if tied is None else tied
     if float(mlp_ratio).is_integer():
-        return GPTShape(layers, hidden, heads, vocab, seq, int(mlp_ratio))  # type: ignore[arg-type]
+        return GPTShape(layers, hidden, heads, vocab, seq, int(mlp_ratio),  # type: ignore[arg-type]
+                        tie_embeddings=tie)  # fmt: skip
     # a non-integer ratio (say 2.6875, a SwiGLU-sized MLP): the width it gives, rounded
     width = round(mlp_ratio * hidden)  # type: ignore[operator]
-    return GPTShape(layers, hidden, heads, vocab, seq, ffn_hidden=width)  # type: ignore[arg-type]
+    return GPTShape(layers, hidden, heads, vocab, seq, ffn_hidden=width,  # type: ignore[arg-type]
+                    tie_embeddings=tie)  # fmt: skip
 
 
 _FLAG_FIELDS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                 "vocab": "vocab_size", "seq": "seq_len"}  # fmt: skip
 
 
-def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: float) -> GPTShape:
+def _preset_shape(
+    preset: str, given: dict[str, int | None], mlp_ratio: float, tied: bool | None = None
+) -> GPTShape:
     """The shape a job file with `model: {preset: NAME, ...}` trains: the same config
     code reads both, so the planner and the trainer agree."""
-    from meshforge.config import build_config
     from meshforge.plan.flops import shape_of
+
+    return shape_of(preset_config(preset, given, mlp_ratio, tied=tied))
+
+
+def preset_config(
+    preset: str,
+    given: dict[str, int | None],
+    mlp_ratio: float = 4,
+    training: Training | None = None,
+    tied: bool | None = None,
+) -> Any:
+    """The job config (`config.JobConfig`) of `model: {preset: NAME, ...}` with the shape
+    flags written in, and the global batch and precision of `training` if given."""
+    from meshforge.config import build_config
 
     model: dict[str, object] = {"preset": preset}
     model.update({_FLAG_FIELDS[k]: v for k, v in given.items() if v is not None})
+    if tied is not None:
+        model["tie_embeddings"] = tied
     if mlp_ratio != 4:
         from meshforge.models.presets import PRESETS
 
@@ -88,10 +112,35 @@ def _preset_shape(preset: str, given: dict[str, int | None], mlp_ratio: float) -
                 "integer (the trainer's GPT); give the shape flags for another width"
             )
         model["mlp_ratio"] = int(mlp_ratio)
+    raw: dict[str, Any] = {"model": model}
+    if training is not None:
+        raw["train"] = {"global_batch": training.global_batch}
+        raw["precision"] = {"dtype": training.precision}
     try:
-        return shape_of(build_config({"model": model}).model)
+        return build_config(raw)
     except ConfigError as exc:
         raise ConfigError(f"--model {preset}: {exc}") from None
+
+
+def preset_job(
+    preset: str,
+    given: dict[str, int | None],
+    mlp_ratio: float,
+    training: Training,
+    choice: LayoutChoice,
+    tied: bool | None = None,
+) -> Any:
+    """A preset planned as the job that trains it (`plan.job.JobPlan`): its `refusal`
+    keeps a search to the layouts `meshforge train` runs for that model (a tied head
+    refuses pp > 1, tp divides the vocabulary and the kv heads, ...), and its
+    `check_given` refuses a given layout the trainer would, with the trainer's reason.
+    The training (batch, precision, optimizer, attention) stays the flags'."""
+    from meshforge.plan.job import JobPlan
+
+    cfg = preset_config(preset, given, mlp_ratio, training, tied)
+    from meshforge.plan.flops import shape_of
+
+    return JobPlan(cfg, shape_of(cfg), training, choice)
 
 
 def build_cluster(
@@ -135,24 +184,25 @@ def plan(
     convention: str = "meshforge",
     top: int | None = None,
     refusal: Callable[[Prediction], str | None] | None = None,
+    framework: Framework = Framework(),
 ) -> tuple[list[Prediction], bool]:
     """(predictions, is_search). A fully or partly given layout gives one prediction
     (left-out fields searched, the best kept); no layout fields, or `top`, gives the
     best `top` (default 5) fitting candidates, or, when none fits, the one layout that
     needs least memory (its `fits` False: how far it is from fitting). `refusal` (a
     job's: `JobPlan.refusal`) says why the trainer would not run a layout; such layouts
-    are left out."""
+    are left out. `framework`: the trainer that runs the job (timing.FRAMEWORKS)."""
     if top is not None and top < 1:
         raise ConfigError(f"--top must be >= 1, got {top}")
     is_search = choice.is_empty() or top is not None
     if refusal is None:
         if is_search:
-            result = search_layouts(model, training, cluster, choice, convention)
+            result = search_layouts(model, training, cluster, choice, convention, framework)
             if not result.candidates:
                 return [min(result.evaluated, key=lambda p: p.memory.total)], True
             return result.candidates[: top or 5], True
-        return [best_layout(model, training, cluster, choice, convention)], False
-    result = search_layouts(model, training, cluster, choice, convention)
+        return [best_layout(model, training, cluster, choice, convention, framework)], False
+    result = search_layouts(model, training, cluster, choice, convention, framework)
     runnable = (p for p in result.candidates if refusal(p) is None)  # best first, lazily
     if is_search:
         found = list(itertools.islice(runnable, top or 5))

@@ -17,6 +17,7 @@ from meshforge.plan.flops import GPTShape
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import RECOMPUTE, Layout, Training, check_layout, is_valid
 from meshforge.plan.predict import Model, Prediction, evaluate
+from meshforge.plan.timing import Framework
 
 MAX_MICRO_BATCH = 64
 VIRTUAL_STAGE_CHOICES = (1, 2, 4)
@@ -123,9 +124,10 @@ def search_layouts(
     cluster: Cluster,
     choice: LayoutChoice = LayoutChoice(),
     convention: str = "meshforge",
+    framework: Framework = Framework(),
 ) -> SearchResult:
-    """Evaluate every valid layout of `cluster.n_gpus` GPUs; raise ConfigError if
-    none is valid."""
+    """Evaluate every valid layout of `cluster.n_gpus` GPUs (run by `framework`); raise
+    ConfigError if none is valid."""
     shape = model if isinstance(model, GPTShape) else None
     _check_fixed_degrees(choice, cluster.n_gpus)
     evaluated: list[Prediction] = []
@@ -133,7 +135,9 @@ def search_layouts(
     for layout, train in enumerate_layouts(model, training, cluster.n_gpus, choice):
         first = first or (layout, train)
         if is_valid(layout, train, shape):
-            evaluated.append(evaluate(model, layout, train, cluster, convention))
+            evaluated.append(
+                evaluate(model, layout, train, cluster, convention, framework=framework)
+            )
     if not evaluated:
         if first is not None:
             check_layout(*first, shape)  # the most permissive pair: names the broken rule
@@ -151,10 +155,11 @@ def best_layout(
     cluster: Cluster,
     choice: LayoutChoice = LayoutChoice(),
     convention: str = "meshforge",
+    framework: Framework = Framework(),
 ) -> Prediction:
     """The fastest layout that fits; if none fits, the one needing least memory
     (its `fits` is False). Used for `parallel: auto` and for a partly given layout."""
-    result = search_layouts(model, training, cluster, choice, convention)
+    result = search_layouts(model, training, cluster, choice, convention, framework)
     if result.best is not None:
         return result.best
     return min(result.evaluated, key=lambda p: p.memory.total)

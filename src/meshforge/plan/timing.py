@@ -90,6 +90,7 @@ class StepTime:
     compute_fraction_of_peak: float  # f(W) of efficiency.py for this matmul size
     # compute slowed by the data-parallel traffic hidden under it (OVERLAP_SLOWDOWN)
     contention_s: float = 0.0
+    slowest_pp_rank: int = 0  # the pipeline rank whose compute sets the pace (not seconds)
 
     @property
     def step_s(self) -> float:
@@ -109,6 +110,7 @@ class StepTime:
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)
+        del out["slowest_pp_rank"]  # a rank, not seconds: Prediction.to_dict has it
         out["step_s"] = self.step_s
         out["exposed_comm_s"] = self.exposed_comm_s
         return out
@@ -167,13 +169,54 @@ class Framework:
     # TrainSchedule (deepspeed/runtime/pipe/schedule.py) issues SendGrad, RecvActivation,
     # RecvGrad and SendActivation as four separate blocking transfers per micro-batch
     pp_paired_transfers: bool = True
-    # ZeRO-0/1 gradient buckets: torch DDP's 25 MB; Megatron-Core's max(40M, 1M·dp)
-    # elements
+    # ZeRO-0/1 gradient buckets: torch DDP's 25 MB ...
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
+    # ... or Megatron-Core's DistributedDataParallel default, max(40M, 1M·dp) elements
+    # of grad_reduce_bytes each (megatron/core/distributed), which grows with dp
+    megatron_core_buckets: bool = False
     # data-parallel traffic overlaps compute (module docstring). False for DeepSpeed's
     # pipeline engine: its TrainSchedule issues ReduceTiedGrads, ReduceGrads and
     # OptimizerStep after the last backward of the step, so every byte is exposed
     dp_overlap: bool = True
+
+    def bucket_bytes(self, dp: int) -> float:
+        """Bytes per ZeRO-0/1 gradient bucket at data-parallel degree `dp`."""
+        if self.megatron_core_buckets:
+            return max(40e6, 1e6 * dp) * self.grad_reduce_bytes
+        return self.grad_bucket_bytes
+
+
+# Other trainers by name (`meshforge plan --framework`), each as the validation's
+# published runs of it ran (plan/published.py), so that a row can be planned from the
+# command line. torch FSDP and DDP (torchtitan, llm-foundry) are meshforge's own
+# components: "meshforge".
+FRAMEWORKS = {
+    "meshforge": "meshforge's trainer (torch DDP, FSDP2, DTensor, pipelining): fp32 "
+    "gradient reduction in 25 MB buckets, overlapped",
+    "megatron-lm": "Megatron-LM of 2021-22 (Narayanan et al., Korthikanti et al.): "
+    "pipeline scatter/gather, gradients reduced in fp16 under --fp16",
+    "megatron-core": "Megatron-Core as its 2024 benchmark table ran: --tp-comm-overlap, "
+    "--overlap-param-gather, buckets of max(40M, 1M x dp) elements",
+    "deepspeed-pipeline": "DeepSpeed's pipeline engine (Megatron-DeepSpeed, GPT-NeoX, "
+    "BLOOM): four unpaired transfers per micro-batch, gradients reduced after the step",
+}
+
+
+def framework_for(name: str, precision: str) -> Framework:
+    """The named trainer's settings (FRAMEWORKS) for a run in `precision`."""
+    if name not in FRAMEWORKS:
+        raise ConfigError(f"--framework {name!r} is not one of {', '.join(FRAMEWORKS)}")
+    if name == "megatron-lm":
+        # --fp16 reduces gradients in the model dtype; under bf16 Megatron accumulates
+        # and reduces them in fp32 (--accumulate-allreduce-grads-in-fp32)
+        return Framework(grad_reduce_bytes=2.0 if precision == "fp16" else GRAD_REDUCE_BYTES,
+                         pp_scatter_gather=True)  # fmt: skip
+    if name == "megatron-core":
+        return Framework(tp_comm_overlap=True, param_gather_overlap=True,
+                         megatron_core_buckets=True)  # fmt: skip
+    if name == "deepspeed-pipeline":
+        return Framework(pp_paired_transfers=False, dp_overlap=False)
+    return Framework()
 
 
 def step_time(
@@ -219,7 +262,8 @@ def step_time(
         pp_s = transfers * v * (size / bw + lat + gather)
 
     ranks = []
-    for rank in dict.fromkeys(rank_models(shape, t, p, v)):  # distinct ranks only
+    models = rank_models(shape, t, p, v)
+    for rank in dict.fromkeys(models):  # distinct ranks only
         fwd = rank.layers * work.layer.forward_s
         bwd = rank.layers * work.layer.backward_s
         tp_count = rank.layers * per_layer
@@ -248,7 +292,7 @@ def step_time(
                                         fw.grad_reduce_bytes)  # fmt: skip
         total, exposed = exposed_on_gpu(traffic, cluster, layout, r.model, work, m, scaling,
                                         fw.param_gather_overlap,
-                                        fw.grad_bucket_bytes)  # fmt: skip
+                                        fw.bucket_bytes(layout.dp))  # fmt: skip
         if not fw.dp_overlap:
             exposed = total
         opt = _optimizer_seconds(r.model.params, layout, training, device)
@@ -264,6 +308,7 @@ def step_time(
         dp_comm_total_s=dp_total,
         compute_fraction_of_peak=work.fraction_of_peak,
         contention_s=OVERLAP_SLOWDOWN * (dp_total - dp_exposed),
+        slowest_pp_rank=models.index(slowest.model),  # the first of equal ranks
     )
 
 

@@ -62,21 +62,18 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass, replace
 
 from meshforge.errors import ConfigError
 from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling
-from meshforge.plan.dp_traffic import DDP_BUCKET_BYTES
 from meshforge.plan.efficiency import CALIBRATIONS, ComputeCurve
 from meshforge.plan.flops import GPTShape, megatron_full_recompute_flops, microbatch_flops
-from meshforge.plan.hardware import GB, Cluster, LinkSpec, gpu_spec, link_spec
+from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
 from meshforge.plan.layout import Layout, Training
 from meshforge.plan.predict import evaluate
 from meshforge.plan.published import PUBLISHED_RUNS, PublishedRun
 from meshforge.plan.timing import Framework, step_time
 
-LINE_RATE_FRACTION = 0.88  # of a port's line rate, as the roce-100 preset (hardware.py)
 BOUND = 0.20  # the goal: every held-out row within ±20% of its published throughput
 
 
@@ -121,13 +118,10 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     h100_class = generation(run.gpu) in ("h100", "h200")
     intra = link_spec("nvlink4" if h100_class else "nvlink3")
     net = run.network or ("ib-ndr" if h100_class else "ib-hdr")
-    inter = _network(net)
+    inter = link_spec(net)
     cluster = Cluster(device, run.n_gpus, run.gpus_per_node, intra, inter,
                       run.nics_per_node or run.gpus_per_node)  # fmt: skip
     grad_bytes = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[run.grad_reduce]
-    bucket = DDP_BUCKET_BYTES
-    if run.source == "megatron-core2024":
-        bucket = max(40e6, 1e6 * run.dp * run.cp) * grad_bytes
     deepspeed_pipeline = "DeepSpeed's pipeline engine" in run.notes
     framework = Framework(
         tp_comm_overlap="--tp-comm-overlap" in run.notes,
@@ -135,7 +129,7 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
         grad_reduce_bytes=grad_bytes,
         pp_scatter_gather="scatter/gather optimization enabled" in run.notes,
         pp_paired_transfers=not deepspeed_pipeline,
-        grad_bucket_bytes=bucket,
+        megatron_core_buckets=run.source == "megatron-core2024",
         dp_overlap=not deepspeed_pipeline,
     )
     x = Inputs(shape, layout, trainings(run.micro_batch or 1), cluster, framework)
@@ -166,15 +160,6 @@ def _step_s(x: Inputs, scaling: NetworkScaling) -> float:
         for t in x.trainings
     ]  # fmt: skip
     return sum(times) / len(times)
-
-
-def _network(name: str) -> LinkSpec:
-    """A link preset, or "<kind>-<N>g" as N Gb/s ports at LINE_RATE_FRACTION."""
-    match = re.fullmatch(r"[a-z]+-(\d+)g", name)
-    if match is None:
-        return link_spec(name)
-    line = int(match.group(1)) / 8 * GB
-    return LinkSpec(name, line, LINE_RATE_FRACTION * line, 8e-6)
 
 
 def supported(run: PublishedRun) -> str | None:
@@ -451,9 +436,15 @@ if __name__ == "__main__":  # python -m meshforge.plan.validation [--markdown]
     )
     ap.add_argument("--markdown", action="store_true", help="the constants too, as in the docs")
     args = ap.parse_args()
-    table = validation_table()
-    if args.markdown:
-        usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))
-        print(constants_markdown(fit(usable)) + "\n\n" + markdown(table))
-    else:
-        print(markdown(table))
+    try:
+        table = validation_table()
+        if args.markdown:
+            usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))
+            print(constants_markdown(fit(usable)) + "\n\n" + markdown(table))
+        else:
+            print(markdown(table))
+    except KeyboardInterrupt:
+        import sys
+
+        print("meshforge: interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
