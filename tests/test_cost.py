@@ -164,6 +164,36 @@ def test_cost_cli_json_and_planned_run():
     assert out["run"]["source"] == "planned" and out["run"]["gpus"] == 64
     assert out["run"]["rented_usd"] == pytest.approx(out["run"]["gpu_hours"] * 3.0)
     assert {"capex_usd", "opex_per_year_usd", "breakeven_months"} <= out.keys()
+    lay = out["run"]["layout"]  # which layout the planned run is costed with
+    assert lay["dp"] * lay["tp"] * lay["pp"] == 64 and lay["micro_batch"] >= 1
+
+
+def _cost_here(capsys, *args: str):
+    """`meshforge cost ARGS` in this process: (exit code, stdout, stderr)."""
+    import subprocess
+
+    from meshforge.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["cost", str(EXAMPLE), *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, stop.value.code, out.out, out.err)
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--tokens", "inf"], ["--tokens", "finite"]),
+        (["--tokens", "1e9", "--gpus", "0"], ["--gpus", "between 1 and the cluster's 64"]),
+        (["--tokens", "1e9", "--gpus", "128"], ["--gpus", "64", "128"]),
+        # a preset is planned as the job that trains it: gpt2's 50257 words refuse tp 2
+        (["--tokens", "1e9", "--tp", "2"], ["tp=2 does not divide model.vocab_size=50257"]),
+        (["--tp", "2"], ["--model plans a run", "--tokens"]),  # no run to plan: refused
+    ],
+)
+def test_a_planned_run_refuses_what_cannot_be_costed(capsys, args, words):
+    preset = ["--model", "gpt2-124m", "--global-batch", "256"]
+    assert_one_line_error(_cost_here(capsys, *preset, *args), *words)
 
 
 def test_parse_cluster_names_the_file():

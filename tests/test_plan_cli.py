@@ -488,3 +488,55 @@ def test_a_runs_config_is_planned_at_the_world_size_it_ran(tmp_path, capsys):
     assert "--gpus 2" in proc.stderr and "report.json" in proc.stderr
     (run / "report.json").unlink()  # a job file elsewhere: --gpus is needed
     assert_one_line_error(_plan_here(capsys, "--config", str(run / "config.yaml")), "--gpus")
+
+
+def test_a_llama_shape_by_flags_plans_as_the_validation_plans_llama_3_405b(capsys):
+    from meshforge.plan.published import PUBLISHED_RUNS
+    from meshforge.plan.validation import planner_inputs, predicted_step_s
+
+    run = next(r for r in PUBLISHED_RUNS if r.name.startswith("Llama 3 405B (8192"))
+    x = planner_inputs(run)
+    flags = ["--family", "llama", "--layers", run.layers, "--hidden", run.hidden, "--heads",
+             run.heads, "--kv-heads", run.kv_heads, "--mlp-ratio", run.ffn_hidden / run.hidden,
+             "--vocab", run.vocab, "--seq", run.seq, "--no-tie-embeddings", "--gpus",
+             run.n_gpus, "--gpu", run.gpu, "--tp", run.tp, "--pp", run.pp, "--dp", run.dp,
+             "--zero", run.zero, "--virtual-stages", x.layout.virtual_stages,
+             "--sequence-parallel", "--micro-batch", x.trainings[0].micro_batch,
+             "--global-batch", run.global_batch, "--recompute", run.recompute,
+             "--network", run.network, "--nics-per-node", run.nics_per_node]  # fmt: skip
+    out = _json_here(capsys, *map(str, flags))
+    assert out["step_time_s"] == pytest.approx(predicted_step_s(run), rel=1e-9)
+    assert out["model"]["family"] == "llama" and out["model"]["n_kv_heads"] == 8
+    assert out["model"]["mlp_width"] == run.ffn_hidden
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--params", "inf", "--gpus", "8"], ["--params", "finite"]),
+        (["--params", "1e9", "--gpus", "8", "--framework", "megatron-lm"], ["--framework"]),
+        (["--params", "1e9", "--gpus", "8", "--attention", "eager"], ["--attention"]),
+        (["--params", "1e9", "--gpus", "8", "--network", "foo-400g"], ["--network", "foo-400g"]),
+        (["--params", "1e9", "--gpus", "8", "--network", "roce-0g"], ["port rate"]),
+        (["--model", "llama-8b", "--gpus", "8", "--global-batch", "8", "--kv-heads", "4"],
+         ["--kv-heads with --model"]),
+        (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "99", "--seq", "8",
+          "--gpus", "1", "--global-batch", "1", "--kv-heads", "3"], ["--kv-heads 3"]),
+        (["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "99", "--seq", "8",
+          "--gpus", "1", "--global-batch", "1", "--family", "t5"], ["--family"]),
+        # the tied head, which the given pp breaks, not a value the search tried
+        (["--model", "gpt2-124m", "--gpus", "8", "--pp", "2", "--global-batch", "64"],
+         ["tie_embeddings", "--no-tie-embeddings"]),
+    ],
+)  # fmt: skip
+def test_flags_that_cannot_apply_are_refused_in_one_line(capsys, args, words):
+    assert_one_line_error(_plan_here(capsys, *args), *words)
+
+
+def test_a_measured_profile_refuses_the_links_it_measured(tmp_path, capsys):
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"matmul_flops_per_s": 5e10, "allreduce_busbw_bytes_per_s": 1e9,
+                                   "memory_bytes": 1.6e10}))  # fmt: skip
+    refused = _plan_here(capsys, "--params", "1e9", "--gpus", "2", "--cpu-profile",
+                         str(profile), "--network", "ib-hdr")  # fmt: skip
+    assert_one_line_error(refused, "--profile and --network")

@@ -85,6 +85,17 @@ def cost_command(
         raise ConfigError("give either --run or --tokens, not both")
     run_costs = None
     layout: dict[str, Any] | None = None  # the planned run's layout (--tokens)
+    if tokens is None:
+        planning = {"--model": preset, "--layers": layers, "--hidden": hidden, "--heads": heads,
+                    "--vocab": vocab, "--seq": seq, "--gpus": gpus,
+                    "--global-batch": global_batch, "--tp": tp, "--pp": pp, "--zero": zero,
+                    "--micro-batch": micro_batch, "--virtual-stages": virtual_stages,
+                    "--recompute": recompute, "--sequence-parallel": sequence_parallel}  # fmt: skip
+        given = [flag for flag, value in planning.items() if value is not None]
+        if given:
+            raise ConfigError(
+                f"{given[0]} plans a run: give --tokens T with it (the cost of training T tokens)"
+            )
     if run is not None:
         run_costs = run_cost_from_report(run, costs)
     elif tokens is not None:
@@ -97,16 +108,29 @@ def cost_command(
         if global_batch is None:
             raise ConfigError("--global-batch is required with --tokens")
         model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, preset=preset)
+        if gpus is not None and not 1 <= gpus <= cluster.gpus.count:
+            raise ConfigError(
+                f"--gpus must be between 1 and the cluster's {cluster.gpus.count} GPUs, got {gpus}"
+            )
+        n = cluster.gpus.count if gpus is None else gpus
         net = cluster.network
         planned_cluster = build_cluster(
-            gpus or cluster.gpus.count, cluster.gpus.kind, cluster.gpus_per_node,
-            net.inter, net.intra, net.nics_per_node,
+            n, cluster.gpus.kind, cluster.gpus_per_node, net.inter, net.intra, net.nics_per_node,
         )  # fmt: skip
         choice = LayoutChoice(None, tp, pp, zero, micro_batch, virtual_stages, recompute,
                               sequence_parallel)  # fmt: skip
         training = Training(global_batch, micro_batch or 1, precision, recompute or "none",
                             optimizer, attention == "sdpa")  # fmt: skip
-        predictions, _ = plan(model, training, planned_cluster, choice)
+        refusal = None
+        if preset is not None:  # meshforge's model: the layouts its trainer runs (as plan)
+            from meshforge.plan.request import preset_job
+
+            shape_flags = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
+                           "seq": seq}  # fmt: skip
+            job = preset_job(preset, shape_flags, mlp_ratio, training, choice)
+            refusal = job.refusal
+            job.check_given(n)
+        predictions, _ = plan(model, training, planned_cluster, choice, refusal=refusal)
         if not predictions or not predictions[0].fits:
             raise ConfigError(f"no layout of this model fits on {planned_cluster.n_gpus} GPUs")
         run_costs = run_cost_from_plan(predictions[0], tokens, costs)

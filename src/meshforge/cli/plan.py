@@ -54,6 +54,16 @@ TiedHead = Annotated[
          help="Whether the output head shares the token embedding (default: a preset's; "
          "tied for a shape given by flags, as meshforge's gpt).", panel=_MODEL),
 ]  # fmt: skip
+Family = Annotated[
+    str | None,
+    _opt("--family", help="gpt (LayerNorm, GELU MLP; default) or llama (RMSNorm, SwiGLU, "
+         "rotary, a token embedding only).", panel=_MODEL),
+]  # fmt: skip
+KvHeads = Annotated[
+    int | None,
+    _opt("--kv-heads", help="Key/value heads (grouped-query attention; default: --heads).",
+         panel=_MODEL),
+]  # fmt: skip
 Params = Annotated[
     float | None,
     _opt("--params", help="Bare parameter count (model-state maths only).", panel=_MODEL),
@@ -122,11 +132,13 @@ def plan_command(
     seq: Seq = None,
     mlp_ratio: MlpRatio = None,
     tie_embeddings: TiedHead = None,
+    family: Family = None,
+    kv_heads: KvHeads = None,
     params: Params = None,
     gpus: Gpus = None,
     gpus_per_node: Annotated[
-        int, _opt("--gpus-per-node", help="GPUs per node.", panel=_CLUSTER)
-    ] = 8,
+        int | None, _opt("--gpus-per-node", help="GPUs per node (default 8).", panel=_CLUSTER)
+    ] = None,
     gpu: Annotated[
         str | None,
         _opt(
@@ -138,14 +150,15 @@ def plan_command(
         ),
     ] = None,
     network: Annotated[
-        str,
+        str | None,
         _opt(
             "--network",
-            help="Inter-node link: ib-hdr, ib-ndr, roce-100, eth-25, eth-10, or a port "
-            "rate <kind>-<N>g (roce-200g: 200 Gb/s ports).",
+            help="Inter-node link: ib-hdr, ib-ndr (default), roce-100, eth-25, eth-10, or a "
+            "port rate <kind>-<N>g of ib, roce, eth, omnipath, efa or slingshot (roce-200g: "
+            "200 Gb/s ports).",
             panel=_CLUSTER,
         ),
-    ] = "ib-ndr",
+    ] = None,
     intra_network: Annotated[
         str | None,
         _opt("--intra-network", help="Intra-node link (default by GPU).", panel=_CLUSTER),
@@ -175,15 +188,15 @@ def plan_command(
     recompute: Recompute = None,
     sequence_parallel: SequenceParallel = None,
     framework: Annotated[
-        str,
+        str | None,
         _opt(
             "--framework",
             help="The trainer that runs the job: meshforge (its own, torch DDP/FSDP2), "
             "megatron-lm, megatron-core or deepspeed-pipeline (their overlaps, buckets and "
-            "pipeline transfers; docs/planner.md). Not with --config.",
+            "pipeline transfers; docs/planner.md). Default meshforge; not with --config.",
             panel=_CLUSTER,
         ),
-    ] = "meshforge",
+    ] = None,
     memory_convention: Annotated[
         str, typer.Option("--memory-convention", help="meshforge or zero-paper.")
     ] = "meshforge",
@@ -213,9 +226,14 @@ def plan_command(
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
                          sequence_parallel)  # fmt: skip
     refusal = None
-    trainer = framework_for(framework, "bf16")  # refuses an unknown name first
+    framework_name = framework or "meshforge"
+    trainer = framework_for(framework_name, "bf16")  # refuses an unknown name first
+    shape_extras = {"--family": family, "--kv-heads": kv_heads}
     if config is not None:
-        if framework != "meshforge":
+        for flag, value in shape_extras.items():
+            if value is not None:
+                raise ConfigError(f"{flag} with --config: the job's model section gives it")
+        if framework is not None and framework != "meshforge":
             raise ConfigError(
                 f"--framework {framework} with --config: a job file is run by meshforge's "
                 "own trainer; plan another trainer's run from flags (--model or --layers ...)"
@@ -235,6 +253,7 @@ def plan_command(
     else:
         if overrides:
             raise ConfigError("--set changes a job file: give the job with --config")
+        given_attention = attention
         attention = "sdpa" if attention is None else attention
         if attention not in ("sdpa", "eager"):
             raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
@@ -243,9 +262,20 @@ def plan_command(
                 "--mlp-ratio shapes a model's blocks; --params plans a bare parameter "
                 "count, which has none: give one of them"
             )
+        if params is not None:  # model states only: what would change a step is refused
+            for flag, value in {"--framework": framework, "--attention": given_attention,
+                                **shape_extras}.items():  # fmt: skip
+                if value is not None:
+                    raise ConfigError(
+                        f"{flag} with --params: a bare parameter count plans model states "
+                        "only; give a model shape to plan a step"
+                    )
+        for flag, value in shape_extras.items():
+            if value is not None and preset is not None:
+                raise ConfigError(f"{flag} with --model: the preset gives it")
         ratio = 4 if mlp_ratio is None else mlp_ratio
-        model = build_model(layers, hidden, heads, vocab, seq, ratio, params, preset,
-                            tie_embeddings)  # fmt: skip
+        model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, params, preset,
+                            tie_embeddings, family, kv_heads)  # fmt: skip
         if global_batch is None and params is None:
             raise ConfigError("--global-batch is required with a model shape")
         if global_batch is not None and params is not None:
@@ -268,28 +298,52 @@ def plan_command(
             optimizer="adamw" if optimizer is None else optimizer,
             sdpa=attention == "sdpa",
         )
-        trainer = framework_for(framework, training.precision)
-        if preset is not None and framework == "meshforge":  # the layouts its trainer runs
+        trainer = framework_for(framework_name, training.precision)
+        if preset is not None and framework_name == "meshforge":  # the layouts train runs
             given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
                      "seq": seq}  # fmt: skip
             job = preset_job(preset, given, ratio, training, choice, tie_embeddings)
-            refusal = job.refusal
-            job.check_given(n)
+
+            def refusal(p: Prediction, job: JobPlan = job) -> str | None:
+                reason = job.refusal(p)
+                return None if reason is None else _in_flags(reason)
+
+            try:
+                job.check_given(n)
+            except ConfigError as exc:
+                raise ConfigError(_in_flags(str(exc))) from None
     if profile is not None and gpu is not None:
         raise ConfigError(
             f"--profile and --gpu {gpu} both given: a measured profile is the machine; "
             "give one of them"
         )
+    if profile is not None:
+        cluster_flags = {
+            "--network": network,
+            "--intra-network": intra_network,
+            "--nics-per-node": nics_per_node,
+            "--gpus-per-node": gpus_per_node,
+        }
+        for flag, value in cluster_flags.items():  # fmt: skip
+            if value is not None:
+                raise ConfigError(
+                    f"--profile and {flag} both given: a measured profile is the machine, "
+                    "its links included; give one of them"
+                )
     gpu = gpu or "h100"
-    cluster = build_cluster(n, gpu, gpus_per_node, network, intra_network, nics_per_node, profile)
+    cluster = build_cluster(n, gpu, gpus_per_node or 8, network or "ib-ndr", intra_network,
+                            nics_per_node, profile)  # fmt: skip
     predictions, is_search = plan(model, training, cluster, choice, memory_convention, top,
                                   refusal, trainer)  # fmt: skip
     warnings = plan_warnings(model, predictions, cluster.device)
     if as_json:
         out = plan_json(predictions, is_search, fields, warnings)
-        typer.echo(json.dumps({**out, "framework": framework}))
+        typer.echo(json.dumps({**out, "framework": framework_name, "model": _shape_dict(model)}))
         return
-    _print_table(predictions, is_search, cluster.device.name, n, fields)
+    where = cluster.device.name
+    if framework_name != "meshforge":
+        where += f", {framework_name}"
+    _print_table(predictions, is_search, where, n, fields)
     for warning in warnings:
         typer.echo(f"meshforge: note: {warning}", err=True)
 
@@ -338,6 +392,30 @@ def _load_job(config: Path, overrides: list[str], flags: LayoutChoice) -> JobPla
     from meshforge.plan.job import plan_for_job
 
     return plan_for_job(load_config(config, overrides), flags)
+
+
+# The trainer's advice in a job file's words, as the flags that say it.
+_ADVICE_AS_FLAGS = {
+    "set model.tie_embeddings: false": "give --no-tie-embeddings",
+    "use zero: 2 or 3": "use --zero 2 or 3",
+}
+
+
+def _in_flags(reason: str) -> str:
+    for job_words, flag_words in _ADVICE_AS_FLAGS.items():
+        reason = reason.replace(job_words, flag_words)
+    return reason
+
+
+def _shape_dict(model: object) -> dict[str, object] | None:
+    """The planned model's shape for --json (None: a bare parameter count)."""
+    from dataclasses import asdict
+
+    from meshforge.plan.flops import GPTShape
+
+    if not isinstance(model, GPTShape):
+        return None
+    return {**asdict(model), "mlp_width": model.mlp_width}
 
 
 def _run_world_size(config: Path) -> int | None:

@@ -124,8 +124,8 @@ def run_cost_from_report(run_dir: str | Path, costs: Tco) -> RunCost:
 
 def run_cost_from_plan(prediction: Prediction, tokens: float, costs: Tco) -> RunCost:
     """Cost of training on `tokens` tokens with a planned layout: steps = ⌈T / (B·s)⌉."""
-    if not tokens > 0:
-        raise ConfigError(f"--tokens must be > 0, got {tokens}")
+    if not (tokens > 0 and math.isfinite(tokens)):
+        raise ConfigError(f"--tokens must be a finite number > 0, got {tokens}")
     if prediction.time is None or prediction.seq_len is None:
         raise ConfigError("--tokens needs the model shape (--layers ...), not --params")
     per_step = prediction.training.global_batch * prediction.seq_len

@@ -112,27 +112,42 @@ LINK_PRESETS: dict[str, LinkSpec] = {
 DEFAULT_INTRA_LINK = {gpu.key: gpu.intra_link for gpu in GPUS}
 
 
-# A link by its port rate, "<kind>-<N>g" (roce-200g, omnipath-100g): N Gb/s ports at
-# the RoCE preset's fraction of line rate and a latency between RoCE's and Ethernet's
-# (a stated assumption for fabrics without a preset of their own).
-PORT_LINE_RATE_FRACTION = 0.88
-PORT_LATENCY_S = 8e-6
-_PORT_RATE = re.compile(r"([a-z][a-z0-9]*)-(\d+(?:\.\d+)?)g")
+# A link by its port rate, "<kind>-<N>g" (roce-200g, omnipath-100g, ib-400g): N Gb/s
+# ports of a known fabric at its achievable fraction of line rate and latency: the
+# InfiniBand and Ethernet presets' own; RoCE's for RoCE and for the fabrics without a
+# preset of their own (Omni-Path, AWS EFA, Slingshot), latency between RoCE's and
+# Ethernet's: a stated assumption.
+PORT_KINDS: dict[str, tuple[float, float]] = {
+    "ib": (0.92, 5e-6),
+    "roce": (0.88, 8e-6),
+    "eth": (0.9, 30e-6),
+    "omnipath": (0.88, 8e-6),
+    "efa": (0.88, 8e-6),
+    "slingshot": (0.88, 8e-6),
+}
+MAX_PORT_GBPS = 10_000  # a port rate beyond any shipping NIC (1.6 Tb/s in 2026): a typo
+_PORT_RATE = re.compile(r"([a-z]+)-(\d+(?:\.\d+)?)g")
 
 
 def link_spec(name: str, flag: str = "--network") -> LinkSpec:
-    """A link preset, or "<kind>-<N>g": a port of N Gb/s (PORT_LINE_RATE_FRACTION)."""
+    """A link preset, or "<kind>-<N>g": a port of N Gb/s of a PORT_KINDS fabric."""
     key = name.lower()
     if key in LINK_PRESETS:
         return LINK_PRESETS[key]
     match = _PORT_RATE.fullmatch(key)
-    if match is not None and float(match.group(2)) > 0:
-        line = float(match.group(2)) / 8 * GB
-        return LinkSpec(key, line, PORT_LINE_RATE_FRACTION * line, PORT_LATENCY_S)
+    if match is not None and match.group(1) in PORT_KINDS:
+        gbps = float(match.group(2))
+        if not 0 < gbps <= MAX_PORT_GBPS:
+            raise ConfigError(
+                f"{flag} {name!r}: a port rate must be above 0 and at most {MAX_PORT_GBPS} Gb/s"
+            )
+        fraction, latency = PORT_KINDS[match.group(1)]
+        line = gbps / 8 * GB
+        return LinkSpec(key, line, fraction * line, latency)
     known = ", ".join(LINK_PRESETS)
     raise ConfigError(
         f"{flag} {name!r} is not a known link preset ({known}) or a port rate "
-        "<kind>-<N>g (roce-200g: 200 Gb/s)"
+        f"<kind>-<N>g of a fabric ({', '.join(PORT_KINDS)}; roce-200g: 200 Gb/s ports)"
     )
 
 

@@ -4,6 +4,7 @@ plan` and `meshforge cost`, so that both commands stay thin)."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,26 +30,31 @@ def build_model(
     heads: int | None = None,
     vocab: int | None = None,
     seq: int | None = None,
-    mlp_ratio: float = 4,
+    mlp_ratio: float | None = 4,
     params: float | None = None,
     preset: str | None = None,
     tied: bool | None = None,
+    family: str | None = None,
+    kv_heads: int | None = None,
 ) -> Model:
     """A model shape from a preset (`--model NAME`, the shape flags overriding it),
     from the five shape flags, or a bare parameter count. `tied`: the output head
     shares the token embedding (None: the preset's, or tied for a bare shape, as
-    meshforge's gpt)."""
+    meshforge's gpt); `family` gpt or llama, `kv_heads` grouped-query attention's
+    key/value heads (a bare shape only). `mlp_ratio` None: 4 (gpt), or llama's own
+    SwiGLU width (8/3 h rounded up to 64)."""
+    ratio = 4 if mlp_ratio is None else mlp_ratio
     given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq}
     if params is not None:
         if any(v is not None for v in given.values()) or preset is not None or tied is not None:
             raise ConfigError(
                 "give either --params or the model (--model or --layers ...), not both"
             )
-        if not params > 0:
-            raise ConfigError(f"--params must be > 0, got {params}")
+        if not (params > 0 and math.isfinite(params)):
+            raise ConfigError(f"--params must be a finite number > 0, got {params}")
         return float(params)
     if preset is not None:
-        return _preset_shape(preset, given, mlp_ratio, tied)
+        return _preset_shape(preset, given, ratio, tied)
     missing = [f"--{k}" for k, v in given.items() if v is None]
     if missing:
         raise ConfigError(
@@ -57,18 +63,24 @@ def build_model(
     for name, value in given.items():
         if value < 1:  # type: ignore[operator]
             raise ConfigError(f"--{name} must be >= 1, got {value}")
-    if not 1 <= mlp_ratio <= MAX_MLP_RATIO:
-        raise ConfigError(f"--mlp-ratio must be between 1 and {MAX_MLP_RATIO}, got {mlp_ratio}")
+    if not 1 <= ratio <= MAX_MLP_RATIO:
+        raise ConfigError(f"--mlp-ratio must be between 1 and {MAX_MLP_RATIO}, got {ratio}")
     if hidden % heads:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
-    tie = True if tied is None else tied
-    if float(mlp_ratio).is_integer():
-        return GPTShape(layers, hidden, heads, vocab, seq, int(mlp_ratio),  # type: ignore[arg-type]
-                        tie_embeddings=tie)  # fmt: skip
-    # a non-integer ratio (say 2.6875, a SwiGLU-sized MLP): the width it gives, rounded
-    width = round(mlp_ratio * hidden)  # type: ignore[operator]
-    return GPTShape(layers, hidden, heads, vocab, seq, ffn_hidden=width,  # type: ignore[arg-type]
-                    tie_embeddings=tie)  # fmt: skip
+    family = family or "gpt"
+    if family not in ("gpt", "llama"):
+        raise ConfigError(f"--family must be gpt or llama, got {family!r}")
+    if kv_heads is not None and not (kv_heads >= 1 and heads % kv_heads == 0):  # type: ignore[operator]
+        raise ConfigError(f"--kv-heads {kv_heads} must be >= 1 and divide --heads {heads}")
+    extra = {"tie_embeddings": True if tied is None else tied, "family": family,
+             "n_kv_heads": kv_heads}  # fmt: skip
+    if family == "llama" and mlp_ratio is None:  # llama's own SwiGLU width (flops.py)
+        return GPTShape(layers, hidden, heads, vocab, seq, **extra)  # type: ignore[arg-type]
+    # the MLP's width: ratio x h (for llama, of each of SwiGLU's three matrices)
+    if float(ratio).is_integer() and family == "gpt":
+        return GPTShape(layers, hidden, heads, vocab, seq, int(ratio), **extra)  # type: ignore[arg-type]
+    width = round(ratio * hidden)  # type: ignore[operator]
+    return GPTShape(layers, hidden, heads, vocab, seq, ffn_hidden=width, **extra)  # type: ignore[arg-type]
 
 
 _FLAG_FIELDS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
@@ -209,7 +221,7 @@ def plan(
         if not found and result.candidates:
             raise ConfigError(
                 f"no layout of {cluster.n_gpus} GPUs that fits can be trained: "
-                f"{refusal(result.candidates[0])}"
+                f"{_reason(result.candidates, choice, refusal)}"
             )
         if not found:  # none fits: the runnable one needing least memory
             by_memory = sorted(result.evaluated, key=lambda p: p.memory.total)
@@ -222,9 +234,38 @@ def plan(
         if best is None:
             raise ConfigError(
                 f"no layout of {cluster.n_gpus} GPUs with the given fields can be trained: "
-                f"{refusal(by_memory[0])}"
+                f"{_reason(by_memory, choice, refusal)}"
             )
     return [best], False
+
+
+def _reason(
+    refused: list[Prediction],
+    choice: LayoutChoice,
+    refusal: Callable[[Prediction], str | None],
+) -> str | None:
+    """Why the trainer refuses every layout of `refused`, in the words of the one whose
+    searched fields are plainest (no tensor or pipeline parallelism, one chunk, no
+    sequence parallelism, ZeRO 0, no recomputation, the smallest micro-batch, where the
+    user left them out): the rule a given field breaks, not one a searched value
+    happened to."""
+
+    def plainness(p: Prediction) -> tuple:
+        lay, train = p.layout, p.training
+        searched = {f: getattr(choice, f) is None for f in ("tp", "pp", "zero", "micro_batch",
+                                                            "virtual_stages", "recompute",
+                                                            "sequence_parallel")}  # fmt: skip
+        return (
+            lay.tp if searched["tp"] else 0,
+            lay.pp if searched["pp"] else 0,
+            lay.virtual_stages if searched["virtual_stages"] else 0,
+            lay.sequence_parallel if searched["sequence_parallel"] else False,
+            lay.zero if searched["zero"] else 0,
+            train.recompute != "none" if searched["recompute"] else False,
+            train.micro_batch if searched["micro_batch"] else 0,
+        )
+
+    return refusal(min(refused, key=plainness))
 
 
 def plan_warnings(model: Any, predictions: list[Prediction], device: Any) -> list[str]:
