@@ -123,13 +123,11 @@ def cost_command(
                             optimizer, attention == "sdpa")  # fmt: skip
         refusal = None
         if preset is not None:  # meshforge's model: the layouts its trainer runs (as plan)
-            from meshforge.plan.request import preset_job
+            from meshforge.plan.request import preset_refusal
 
             shape_flags = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
                            "seq": seq}  # fmt: skip
-            job = preset_job(preset, shape_flags, mlp_ratio, training, choice)
-            refusal = job.refusal
-            job.check_given(n)
+            refusal = preset_refusal(preset, shape_flags, mlp_ratio, training, choice, n)
         predictions, _ = plan(model, training, planned_cluster, choice, refusal=refusal)
         if not predictions or not predictions[0].fits:
             raise ConfigError(f"no layout of this model fits on {planned_cluster.n_gpus} GPUs")

@@ -217,7 +217,7 @@ def plan_command(
         plan,
         plan_json,
         plan_warnings,
-        preset_job,
+        preset_refusal,
         world_size_from,
     )
     from meshforge.plan.search import LayoutChoice
@@ -227,13 +227,12 @@ def plan_command(
                          sequence_parallel)  # fmt: skip
     refusal = None
     framework_name = framework or "meshforge"
-    trainer = framework_for(framework_name, "bf16")  # refuses an unknown name first
     shape_extras = {"--family": family, "--kv-heads": kv_heads}
     if config is not None:
         for flag, value in shape_extras.items():
             if value is not None:
                 raise ConfigError(f"{flag} with --config: the job's model section gives it")
-        if framework is not None and framework != "meshforge":
+        if framework_name != "meshforge":
             raise ConfigError(
                 f"--framework {framework} with --config: a job file is run by meshforge's "
                 "own trainer; plan another trainer's run from flags (--model or --layers ...)"
@@ -257,18 +256,14 @@ def plan_command(
         attention = "sdpa" if attention is None else attention
         if attention not in ("sdpa", "eager"):
             raise ConfigError(f"--attention must be sdpa or eager, got {attention!r}")
-        if params is not None and mlp_ratio is not None:
-            raise ConfigError(
-                "--mlp-ratio shapes a model's blocks; --params plans a bare parameter "
-                "count, which has none: give one of them"
-            )
-        if params is not None:  # model states only: what would change a step is refused
-            for flag, value in {"--framework": framework, "--attention": given_attention,
+        if params is not None:  # model states only: what shapes blocks or a step is refused
+            for flag, value in {"--mlp-ratio": mlp_ratio, "--global-batch": global_batch,
+                                "--framework": framework, "--attention": given_attention,
                                 **shape_extras}.items():  # fmt: skip
                 if value is not None:
                     raise ConfigError(
                         f"{flag} with --params: a bare parameter count plans model states "
-                        "only; give a model shape to plan a step"
+                        "only, without blocks or a batch; give a model shape to plan a step"
                     )
         for flag, value in shape_extras.items():
             if value is not None and preset is not None:
@@ -278,11 +273,6 @@ def plan_command(
                             tie_embeddings, family, kv_heads)  # fmt: skip
         if global_batch is None and params is None:
             raise ConfigError("--global-batch is required with a model shape")
-        if global_batch is not None and params is not None:
-            raise ConfigError(
-                "--global-batch with --params: a bare parameter count plans model states "
-                "only, where the batch plays no part; give a model shape to plan a step"
-            )
         choice = flags
         # with a bare parameter count only dp and zero are searched (search.py)
         fields = layout_fields(choice, "searched")
@@ -298,27 +288,14 @@ def plan_command(
             optimizer="adamw" if optimizer is None else optimizer,
             sdpa=attention == "sdpa",
         )
-        trainer = framework_for(framework_name, training.precision)
         if preset is not None and framework_name == "meshforge":  # the layouts train runs
             given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
                      "seq": seq}  # fmt: skip
-            job = preset_job(preset, given, ratio, training, choice, tie_embeddings)
-
-            def refusal(p: Prediction, job: JobPlan = job) -> str | None:
-                reason = job.refusal(p)
-                return None if reason is None else _in_flags(reason)
-
-            try:
-                job.check_given(n)
-            except ConfigError as exc:
-                raise ConfigError(_in_flags(str(exc))) from None
-    if profile is not None and gpu is not None:
-        raise ConfigError(
-            f"--profile and --gpu {gpu} both given: a measured profile is the machine; "
-            "give one of them"
-        )
+            refusal = preset_refusal(preset, given, ratio, training, choice, n, tie_embeddings)
+    trainer = framework_for(framework_name, training.precision)
     if profile is not None:
         cluster_flags = {
+            "--gpu": gpu,
             "--network": network,
             "--intra-network": intra_network,
             "--nics-per-node": nics_per_node,
@@ -327,8 +304,8 @@ def plan_command(
         for flag, value in cluster_flags.items():  # fmt: skip
             if value is not None:
                 raise ConfigError(
-                    f"--profile and {flag} both given: a measured profile is the machine, "
-                    "its links included; give one of them"
+                    f"--profile and {flag} {value} both given: a measured profile is the "
+                    "machine, its device and links included; give one of them"
                 )
     gpu = gpu or "h100"
     cluster = build_cluster(n, gpu, gpus_per_node or 8, network or "ib-ndr", intra_network,
@@ -392,19 +369,6 @@ def _load_job(config: Path, overrides: list[str], flags: LayoutChoice) -> JobPla
     from meshforge.plan.job import plan_for_job
 
     return plan_for_job(load_config(config, overrides), flags)
-
-
-# The trainer's advice in a job file's words, as the flags that say it.
-_ADVICE_AS_FLAGS = {
-    "set model.tie_embeddings: false": "give --no-tie-embeddings",
-    "use zero: 2 or 3": "use --zero 2 or 3",
-}
-
-
-def _in_flags(reason: str) -> str:
-    for job_words, flag_words in _ADVICE_AS_FLAGS.items():
-        reason = reason.replace(job_words, flag_words)
-    return reason
 
 
 def _shape_dict(model: object) -> dict[str, object] | None:

@@ -147,12 +147,48 @@ def preset_job(
     refuses pp > 1, tp divides the vocabulary and the kv heads, ...), and its
     `check_given` refuses a given layout the trainer would, with the trainer's reason.
     The training (batch, precision, optimizer, attention) stays the flags'."""
+    from meshforge.plan.flops import shape_of
     from meshforge.plan.job import JobPlan
 
     cfg = preset_config(preset, given, mlp_ratio, training, tied)
-    from meshforge.plan.flops import shape_of
-
     return JobPlan(cfg, shape_of(cfg), training, choice)
+
+
+# The trainer's advice in a job file's words, as the flags that say it.
+_ADVICE_AS_FLAGS = {
+    "set model.tie_embeddings: false": "give --no-tie-embeddings",
+    "use zero: 2 or 3": "use --zero 2 or 3",
+}
+
+
+def _in_flags(reason: str) -> str:
+    for job_words, flag_words in _ADVICE_AS_FLAGS.items():
+        reason = reason.replace(job_words, flag_words)
+    return reason
+
+
+def preset_refusal(
+    preset: str,
+    given: dict[str, int | None],
+    mlp_ratio: float,
+    training: Training,
+    choice: LayoutChoice,
+    n_gpus: int,
+    tied: bool | None = None,
+) -> Callable[[Prediction], str | None]:
+    """For `plan --model` and `cost --tokens --model`: the preset's `preset_job`
+    refusal, its advice in flags; a given layout the trainer refuses raises now."""
+    job = preset_job(preset, given, mlp_ratio, training, choice, tied)
+    try:
+        job.check_given(n_gpus)
+    except ConfigError as exc:
+        raise ConfigError(_in_flags(str(exc))) from None
+
+    def refusal(p: Prediction) -> str | None:
+        reason = job.refusal(p)
+        return None if reason is None else _in_flags(reason)
+
+    return refusal
 
 
 def build_cluster(
