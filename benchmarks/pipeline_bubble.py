@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from meshforge.parallel.dims import interleaved_accepts, min_microbatches
+from meshforge.layout.schedule import interleaved_accepts, min_microbatches
 from meshforge.plan.auto import cpu_model_name
 from meshforge.plan.timing import pipeline_bubble_fraction
 

@@ -157,6 +157,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     from helpers import peak_rss_growth
     from meshforge.config import build_config
     from meshforge.models.gpt import GPT
+    from meshforge.parallel.mesh import build_mesh
     from meshforge.parallel.parallelize import build_model_parts
 
     cfg = build_config(raw)
@@ -165,7 +166,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     tiny = build_config({**raw, "model": {**raw["model"], "d_model": 32, "n_layers": 2,
                                           "n_heads": 2}})  # fmt: skip
     dims = tiny.dims(dist.get_world_size())
-    build_model_parts(tiny, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu"))
+    build_model_parts(tiny, dims, build_mesh(dims, torch.device("cpu")), torch.device("cpu"))
     GPT(tiny.model)
     grown: list[int] = []
     with peak_rss_growth(grown):
@@ -174,7 +175,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
         else:
             dims = cfg.dims(dist.get_world_size())
             model = build_model_parts(
-                cfg, dims, dims.build_mesh(torch.device("cpu")), torch.device("cpu")
+                cfg, dims, build_mesh(dims, torch.device("cpu")), torch.device("cpu")
             )
     del model
     return grown[0]

@@ -71,7 +71,7 @@ def _steps(parallel: dict, recompute: str, world: int = 2) -> tuple[dict, list[s
     import torch
 
     from meshforge.observe.machine import measure_steps
-    from meshforge.parallel.dims import ParallelDims
+    from meshforge.parallel.mesh import build_mesh
     from meshforge.plan.job import host_warnings
     from meshforge.plan.timing import HostCosts, TimedSteps
 
@@ -79,7 +79,7 @@ def _steps(parallel: dict, recompute: str, world: int = 2) -> tuple[dict, list[s
                         "parallel": parallel,
                         "train": {"micro_batch": 2, "global_batch": 4,
                                   "activation_checkpointing": recompute}})  # fmt: skip
-    mesh = ParallelDims.from_config(cfg, world).build_mesh(torch.device("cpu"))
+    mesh = build_mesh(cfg.dims(world), torch.device("cpu"))
     timed = measure_steps(cfg, torch.device("cpu"), mesh, repeats=2)
     # what a run records and reads back (report.json `predicted.host`)
     again = HostCosts.from_dict({"optimizer_bytes_per_s": 1e9,

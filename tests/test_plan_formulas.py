@@ -33,7 +33,7 @@ def test_planner_modules_do_not_import_torch():
     code = (
         "import sys, meshforge.plan.search, meshforge.plan.request, meshforge.plan.validation, "
         "meshforge.plan.job, meshforge.plan.machine_fit, meshforge.plan.auto, "
-        "meshforge.parallel.dims, meshforge.cost.run, meshforge.cost.cluster; "
+        "meshforge.layout, meshforge.cost.run, meshforge.cost.cluster; "
         "print('torch' in sys.modules)"
     )
     out = run_python(["-c", code])

@@ -1,6 +1,6 @@
 """Uneven pipeline stages: any pp (x v) up to the layer count, in the planner and in the
 trainer. BLOOM-176B trained 70 layers on 12 stages; meshforge splits them 5, 6 x 10, 5
-(plan/stages.py) and plans the busiest rank's memory."""
+(layout/stages.py) and plans the busiest rank's memory."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 from layouts import job, train_layout
 from meshforge.cli import main as meshforge_main
 from meshforge.errors import ConfigError
+from meshforge.layout.stages import layer_split
 from meshforge.plan.flops import GPTShape, params_per_rank
 from meshforge.plan.layout import Layout, Training, check_layout
 from meshforge.plan.memory import activation_memory_bytes, layers_in_flight
 from meshforge.plan.predict import evaluate
 from meshforge.plan.request import build_cluster
-from meshforge.plan.stages import layer_split
 
 BLOOM_FORM = (
     "--layers 70 --hidden 14336 --heads 112 --vocab 250880 --seq 2048 --gpus 384 "

@@ -179,12 +179,10 @@ def test_predict_for_job_reports_memory_and_time_per_rank():
 def test_every_pipeline_the_trainer_accepts_gets_a_prediction(parallel, batch):
     """The trainer runs these micro-batch counts (torch's rules, parallel/dims.py); the
     planner predicts them, where Megatron-LM's rules would refuse them."""
-    from meshforge.parallel.dims import ParallelDims
-
     model = {**MODEL, "n_layers": 4, "tie_embeddings": False}
     cfg = build_config({"model": model, "parallel": {"pp": 2, **parallel},
                         "train": {**TRAIN, "global_batch": batch, "micro_batch": 4}})  # fmt: skip
-    ParallelDims.from_config(cfg, 2)  # `meshforge train` accepts it
+    cfg.dims(2)  # `meshforge train` accepts it
     out = predict_for_job(cfg, 2, PROFILE)
     assert out["step_time_s"] > 0 and out["layout"]["pp"] == 2
 

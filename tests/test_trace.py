@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, meshforge
-from meshforge.observe.trace import event_kind, merge_traces, parse_steps, steps_text
+from meshforge.config import parse_steps
+from meshforge.observe.trace import event_kind, merge_traces, steps_text
 
 SIX_STEPS = {"train": {"steps": 6}}
 

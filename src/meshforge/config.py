@@ -19,6 +19,8 @@ from pydantic import (
 )
 
 from meshforge.errors import ConfigError
+from meshforge.layout import LayoutRequest, ModelShape, ParallelDims, check, derive, first_problem
+from meshforge.presets import preset
 
 
 class _Section(BaseModel):
@@ -37,7 +39,7 @@ class ModelConfig(_Section):
     """The model: meshforge's GPT (`gpt`), the Llama-style decoder (`llama`), or a
     user's factory `package.module:function` (called with `kwargs`, returning an
     nn.Module that maps token ids (b, s) to logits (b, s, vocab_size)). `preset`
-    fills the shape from models/presets.py; fields given beside it win."""
+    fills the shape from presets.py; fields given beside it win."""
 
     name: str = "gpt"
     preset: str | None = None
@@ -66,8 +68,6 @@ class ModelConfig(_Section):
             return value
         value = dict(value)
         if value.get("preset") is not None:
-            from meshforge.models.presets import preset
-
             value = {**preset(str(value["preset"])), **value}
         if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
             value["tie_embeddings"] = False  # Llama-style models have a head of their own
@@ -130,6 +130,21 @@ class ModelConfig(_Section):
     def is_factory(self) -> bool:
         """A user's `package.module:function` rather than one of meshforge's models."""
         return ":" in self.name and bool(_FACTORY.match(self.name))
+
+    def layout_shape(self) -> ModelShape:
+        """The shape the layout rules split (a factory model: its name only)."""
+        if self.is_factory:
+            return ModelShape(factory=self.name, tp_plan=self.tp_plan is not None)
+        return ModelShape(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            kv_heads=self.kv_heads,
+            mlp_hidden=self.mlp_hidden,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            tie_embeddings=self.tie_embeddings,
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -432,8 +447,6 @@ class ObserveConfig(_Section):
     @classmethod
     def _trace_steps_spec(cls, value: Any) -> Any:
         """A step spec (observe/trace.py); a single step may come as a YAML number."""
-        from meshforge.observe.trace import parse_steps
-
         if value is None:  # `--set observe.trace_steps=`
             return ""
         if isinstance(value, int) and not isinstance(value, bool):
@@ -488,12 +501,7 @@ class JobConfig(_Section):
             )
         _check_trace_steps(self.observe.trace_steps, t.steps)
         if self.parallel != "auto":  # resolved at launch, then checked like any layout
-            from meshforge.parallel.dims import check_model_split
-
-            check_model_split(self)
-            p = self.parallel
-            if p.dp != "auto":
-                _check_batch(t.global_batch, t.micro_batch, p.dp)
+            first_problem(check(self.layout_request(), self.model.layout_shape()))
         return self
 
     def _parallel(self) -> ParallelConfig:
@@ -511,11 +519,32 @@ class JobConfig(_Section):
         self.observe.check_sinks()
 
     # -- layout -------------------------------------------------------------
-    def dims(self, world_size: int):  # -> ParallelDims (parallel/dims.py)
-        """The validated layout on `world_size` ranks; raises ConfigError if it cannot fit."""
-        from meshforge.parallel.dims import ParallelDims
+    def layout_request(self) -> LayoutRequest:
+        """The layout this job asks for, as the layout rules read it."""
+        p = self._parallel()
+        ps = p.ps or ParameterServerConfig()
+        server = p.mode == "parameter_server"
+        return LayoutRequest(
+            tp=p.tp,
+            pp=p.pp,
+            dp=None if p.dp == "auto" else p.dp,
+            zero=p.zero,
+            sequence_parallel=p.sequence_parallel,
+            pp_schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
+            servers=ps.servers if server else None,
+            ps_sync=ps.sync,
+            max_staleness=ps.max_staleness,
+            dtype=self.precision.dtype,
+            compile=self.train.compile,
+            global_batch=self.train.global_batch,
+            micro_batch=self.train.micro_batch,
+        )
 
-        return ParallelDims.from_config(self, world_size)
+    def dims(self, world_size: int) -> ParallelDims:
+        """The checked layout on `world_size` ranks; ConfigError naming the first rule
+        it breaks (layout/rules.py)."""
+        return derive(self.layout_request(), self.model.layout_shape(), world_size)
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
@@ -525,21 +554,37 @@ class JobConfig(_Section):
         return self.train.global_batch // (dp * self.train.micro_batch)
 
 
-def _check_trace_steps(spec: str, steps: int) -> None:
-    from meshforge.observe.trace import parse_steps
+_STEP_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
+
+def parse_steps(spec: str) -> list[int]:
+    """ "5" -> [5]; "5-7" -> [5, 6, 7]; "5,9" -> [5, 9]; "" -> []. Raises ValueError
+    naming the part that is not a step number (>= 1) or an increasing range."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    steps: set[int] = set()
+    for item in spec.split(","):
+        match = _STEP_ITEM.match(item.strip())
+        if match is None:
+            raise ValueError(
+                f"{item.strip()!r} is not a step or a range of steps (give e.g. 5, 5-7 or 5,9)"
+            )
+        first = int(match.group(1))
+        last = int(match.group(2) or first)
+        if first < 1:
+            raise ValueError(f"steps count from 1 (as the progress line shows them), not {first}")
+        if last < first:
+            raise ValueError(f"the range {item.strip()} ends before it starts")
+        steps.update(range(first, last + 1))
+    return sorted(steps)
+
+
+def _check_trace_steps(spec: str, steps: int) -> None:
     traced = parse_steps(spec)
     if traced and traced[-1] > steps:
         raise ValueError(
             f"observe.trace_steps={spec} names step {traced[-1]}, beyond train.steps={steps}"
-        )
-
-
-def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
-    if global_batch % (dp * micro_batch):
-        raise ValueError(
-            f"train.global_batch={global_batch} is not divisible by "
-            f"dp={dp} x train.micro_batch={micro_batch}"
         )
 
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.app import app
-from meshforge.models.presets import PRESETS
 from meshforge.plan.gpus import ALIASES, GPU_BY_KEY
+from meshforge.presets import PRESETS
 
 if TYPE_CHECKING:
     from meshforge.plan.job import JobPlan

@@ -507,13 +507,12 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     STEP_BUDGET_S, at most 50). Collective: every rank of `mesh` calls it (the same
     number of passes)."""
     from meshforge.observe.straggler import StragglerWatch, rank_figures
-    from meshforge.parallel.dims import ParallelDims
     from meshforge.parallel.parallelize import build_model_parts
     from meshforge.train.optim import Optimizers
     from meshforge.train.step import make_step
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims.from_config(cfg, world)
+    dims = cfg.dims(world)
     b, m = cfg.train.micro_batch, dims.microbatches
     shape = (b, cfg.model.seq_len)
     batch = [(torch.randint(0, cfg.model.vocab_size, shape),) * 2 for _ in range(m)]

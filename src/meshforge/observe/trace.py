@@ -37,33 +37,9 @@ from meshforge.fileio import write_text_atomic
 
 TRACE_DIR = ".trace"
 TRACE_FILE = "trace.json"
-_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 # -- the steps spec ----------------------------------------------------------------------
-
-
-def parse_steps(spec: str) -> list[int]:
-    """ "5" -> [5]; "5-7" -> [5, 6, 7]; "5,9" -> [5, 9]; "" -> []. Raises ValueError
-    naming the part that is not a step number (>= 1) or an increasing range."""
-    spec = spec.strip()
-    if not spec:
-        return []
-    steps: set[int] = set()
-    for item in spec.split(","):
-        match = _ITEM.match(item.strip())
-        if match is None:
-            raise ValueError(
-                f"{item.strip()!r} is not a step or a range of steps (give e.g. 5, 5-7 or 5,9)"
-            )
-        first = int(match.group(1))
-        last = int(match.group(2) or first)
-        if first < 1:
-            raise ValueError(f"steps count from 1 (as the progress line shows them), not {first}")
-        if last < first:
-            raise ValueError(f"the range {item.strip()} ends before it starts")
-        steps.update(range(first, last + 1))
-    return sorted(steps)
 
 
 def steps_text(steps: list[int]) -> str:

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshforge.config import JobConfig
 from meshforge.errors import ConfigError
+from meshforge.layout import ParallelDims
 from meshforge.models.registry import (
     blocks_of,
     build_model,
@@ -52,7 +53,6 @@ from meshforge.parallel.comm import (
     register_compression,
     set_prefetch,
 )
-from meshforge.parallel.dims import ParallelDims
 
 
 @dataclass

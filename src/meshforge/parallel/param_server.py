@@ -46,11 +46,11 @@ from torch import nn
 
 from meshforge.config import JobConfig
 from meshforge.errors import ConfigError
+from meshforge.layout import ParallelDims
 from meshforge.models.gpt import init_value
 from meshforge.models.registry import model_class
 from meshforge.observe import comm_bytes
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.parallelize import ModelParts
 
 HEADER = 5  # floats: int64 step, int64 version (4 floats), one float norm

@@ -36,8 +36,8 @@ from torch.distributed.pipelining.schedules import FORWARD, RECV_F, RESHARD, SEN
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
-from meshforge.parallel.dims import interleaved_accepts, min_microbatches, stages_per_rank
-from meshforge.plan.stages import layer_split
+from meshforge.layout.schedule import interleaved_accepts, min_microbatches, stages_per_rank
+from meshforge.layout.stages import layer_split
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 _FORWARD_ACTIONS = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)

@@ -242,9 +242,7 @@ def choose_layout(
 
 
 def _trainable_splits(cfg: JobConfig, world_size: int) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, zero, micro_batch) candidates that ParallelDims accepts for `cfg`."""
-    from meshforge.parallel.dims import ParallelDims
-
+    """(tp, pp, zero, micro_batch) candidates that the layout rules accept for `cfg`."""
     t = cfg.train
     raw = cfg.model_dump(mode="json")
     out = []
@@ -258,7 +256,7 @@ def _trainable_splits(cfg: JobConfig, world_size: int) -> list[tuple[int, int, i
                     raw["parallel"] = {"dp": dp, "tp": tp, "pp": pp, "zero": zero}
                     raw["train"]["micro_batch"] = b
                     try:
-                        ParallelDims.from_config(build_config(raw), world_size)
+                        build_config(raw).dims(world_size)
                     except ConfigError:
                         continue
                     out.append((tp, pp, zero, b))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.stages import RankStages, pipeline_ranks
+from meshforge.layout.stages import RankStages, pipeline_ranks
 
 
 @dataclass(frozen=True)

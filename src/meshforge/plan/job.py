@@ -233,8 +233,6 @@ class JobPlan:
     def _check(self, lay: Layout, micro_batch: int, comm: bool = True) -> None:
         """`meshforge train`'s checks of this job with `lay` and `micro_batch` written in
         (with `comm`, also parallel.comm's settings against the layout)."""
-        from meshforge.parallel.dims import ParallelDims
-
         p = ParallelConfig() if self.cfg.parallel == "auto" else self.cfg.parallel
         schedule = "interleaved_1f1b" if lay.virtual_stages > 1 else p.pp_schedule
         if lay.pp > 1 and schedule not in _MODELLED_SCHEDULES:
@@ -251,7 +249,7 @@ class JobPlan:
                 check_comm(parallel)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        ParallelDims.from_config(cfg, lay.world_size)
+        cfg.dims(lay.world_size)
 
 
 def layout_fields(choice: LayoutChoice, searched: str = "searched") -> dict[str, str]:

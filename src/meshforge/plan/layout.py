@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError
+from meshforge.layout import LayoutRequest, ModelShape, Names, check, first_problem
 from meshforge.plan.flops import GPTShape
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -84,59 +85,61 @@ class Training:
         return self.global_batch // (self.micro_batch * dp)
 
 
+# how `meshforge plan` and `cost` name the fields the layout rules talk about
+FLAG_NAMES = Names(
+    {
+        "dp": "--dp",
+        "tp": "--tp",
+        "pp": "--pp",
+        "zero": "--zero",
+        "virtual_stages": "--virtual-stages",
+        "sequence_parallel": "--sequence-parallel",
+        "n_layers": "--layers",
+        "d_model": "--hidden",
+        "n_heads": "--heads",
+        "kv_heads": "--kv-heads",
+        "vocab_size": "--vocab",
+        "seq_len": "--seq",
+        "global_batch": "--global-batch",
+        "micro_batch": "--micro-batch",
+    },
+    style="flags",
+)
+
+
+def layout_shape(shape: GPTShape) -> ModelShape:
+    """The planner's shape as the layout rules read it."""
+    return ModelShape(
+        n_layers=shape.n_layers,
+        d_model=shape.d_model,
+        n_heads=shape.n_heads,
+        kv_heads=shape.n_kv_heads or shape.n_heads,
+        mlp_hidden=shape.mlp_width,
+        vocab_size=shape.vocab_size,
+        seq_len=shape.seq_len,
+        tie_embeddings=shape.tie_embeddings,
+    )
+
+
 def check_layout(
     layout: Layout, training: Training, shape: GPTShape | None, schedule: str = "1f1b"
 ) -> None:
-    """Raise ConfigError naming the first rule the layout breaks. `schedule`: the
-    trainer's parallel.pp_schedule when the layout is a job's (its micro-batch rules are
-    torch.distributed.pipelining's, parallel/dims.py: 1F1B needs pp micro-batches, GPipe
-    and ZB-V one; interleaved, v > 1, one and torch's multiple rule)."""
-    from meshforge.parallel.dims import interleaved_accepts, min_microbatches
-
-    for name in ("dp", "tp", "pp", "virtual_stages"):
-        value = getattr(layout, name)
-        if value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if layout.zero not in ZERO_STAGES:
-        raise ConfigError(f"--zero must be one of 0, 1, 2, 3, got {layout.zero}")
-    if layout.sequence_parallel and layout.tp == 1:
-        raise ConfigError("--sequence-parallel needs --tp > 1")
-    if layout.virtual_stages > 1 and layout.pp == 1:
-        raise ConfigError("--virtual-stages > 1 needs --pp > 1")
-    if shape is None:
-        return  # a bare parameter count: model-state maths only, the batch does not matter
-    b, dp = training.micro_batch, layout.dp
-    if training.global_batch % (dp * b):
-        raise ConfigError(
-            f"--global-batch {training.global_batch} is not divisible by dp={dp} x micro-batch={b}"
-        )
-    m = training.microbatches(dp)
-    interleaved = layout.virtual_stages > 1
-    if interleaved:
-        schedule = "interleaved_1f1b"
-    least = min_microbatches(schedule, layout.pp)
-    if layout.pp > 1 and m < least:
-        raise ConfigError(
-            f"a {schedule} pipeline needs at least {least} micro-batches per step at "
-            f"pp={layout.pp}, global-batch/(dp x micro-batch) gives {m}"
-        )
-    if interleaved and not interleaved_accepts(m, layout.pp):
-        raise ConfigError(
-            f"interleaved pipeline: micro-batches ({m}) must be a multiple of "
-            f"max(1, micro-batches // pp) = {max(1, m // layout.pp)} (e.g. of pp={layout.pp})"
-        )
-    if shape.n_heads % layout.tp:
-        raise ConfigError(f"--tp {layout.tp} does not divide --heads {shape.n_heads}")
-    if shape.d_model % shape.n_heads:
-        raise ConfigError(f"--heads {shape.n_heads} does not divide --hidden {shape.d_model}")
-    stages = layout.pp * layout.virtual_stages
-    if stages > shape.n_layers:  # uneven stages are fine (stages.layer_split), empty ones not
-        raise ConfigError(
-            f"--pp {layout.pp} x --virtual-stages {layout.virtual_stages} = {stages} pipeline "
-            f"stages is more than --layers {shape.n_layers}"
-        )
-    if layout.sequence_parallel and shape.seq_len % layout.tp:
-        raise ConfigError(f"--sequence-parallel needs --tp {layout.tp} to divide --seq")
+    """Raise ConfigError naming the first layout rule (layout/rules.py's structural
+    ones) the layout breaks, in the command line's flags. `schedule`: the trainer's
+    parallel.pp_schedule when the layout is a job's; v > 1 means interleaved."""
+    request = LayoutRequest(
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        zero=layout.zero,
+        sequence_parallel=layout.sequence_parallel,
+        pp_schedule="interleaved_1f1b" if layout.virtual_stages > 1 else schedule,
+        virtual_stages=layout.virtual_stages,
+        global_batch=training.global_batch,
+        micro_batch=training.micro_batch,
+    )
+    lay_shape = None if shape is None else layout_shape(shape)
+    first_problem(check(request, lay_shape, FLAG_NAMES, trainer=False))
 
 
 def is_valid(layout: Layout, training: Training, shape: GPTShape | None) -> bool:

@@ -27,8 +27,8 @@ Two conventions for model states (params, grads, optimizer states):
 from __future__ import annotations
 
 from meshforge.errors import ConfigError
+from meshforge.layout.stages import RankStages, pipeline_ranks
 from meshforge.plan.flops import GPTShape
-from meshforge.plan.stages import RankStages, pipeline_ranks
 
 CONVENTIONS = ("meshforge", "zero-paper")
 FRAGMENTATION_MARGIN = 0.10  # caching-allocator fragmentation, as a share of allocated bytes

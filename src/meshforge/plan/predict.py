@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.errors import ConfigError
+from meshforge.layout.stages import RankStages, pipeline_ranks
 from meshforge.plan.flops import GPTShape, gpt_param_count, microbatch_flops, rank_params
 from meshforge.plan.hardware import Cluster
 from meshforge.plan.layout import Layout, Training, check_layout
@@ -27,7 +28,6 @@ from meshforge.plan.memory import (
     working_bytes,
 )
 from meshforge.plan.profile import MachineProfile
-from meshforge.plan.stages import RankStages, pipeline_ranks
 from meshforge.plan.timing import Framework, StepTime, step_time
 
 Model = GPTShape | float  # a GPT shape, or a bare parameter count (model-state maths only)

@@ -113,7 +113,7 @@ def preset_config(
     if tied is not None:
         model["tie_embeddings"] = tied
     if mlp_ratio != 4:
-        from meshforge.models.presets import PRESETS
+        from meshforge.presets import PRESETS
 
         if (
             PRESETS.get(preset, {}).get("name", "gpt") == "gpt"

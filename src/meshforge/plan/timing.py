@@ -2,7 +2,7 @@
 pipeline bubble, data-parallel/ZeRO traffic with overlap, and the optimizer step.
 
 Per micro-batch, on each pipeline rank (its layers, plus the embedding on the first
-and the final norm, logits and loss on the last; plan/stages.py splits the layers):
+and the final norm, logits and loss on the last; layout/stages.py splits the layers):
 
     t_rank = its layers' compute + their TP collectives + pipeline sends
 

@@ -11,7 +11,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.config import JobConfig
-from meshforge.parallel.dims import ParallelDims
+from meshforge.layout import ParallelDims
+from meshforge.parallel.mesh import build_mesh
 from meshforge.parallel.parallelize import ModelParts, build_model_parts, param_digest
 from meshforge.train.optim import Optimizers
 from meshforge.train.ps_step import build_parameter_server
@@ -35,7 +36,7 @@ class Engine:
         dims = cfg.dims(world_size)
         if dims.parameter_server:
             return ParameterServerEngine.build_ps(cfg, dims, rank, device)
-        mesh = dims.build_mesh(device)
+        mesh = build_mesh(dims, device)
         parts = build_model_parts(cfg, dims, mesh, device)
         optimizers = Optimizers(cfg, parts, mesh["dp"], device)
         strategy = make_step(cfg, dims, mesh, parts, optimizers, device)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.config import JobConfig
+from meshforge.layout import ParallelDims
 from meshforge.observe import comm_bytes
-from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.parallelize import ModelParts
 from meshforge.parallel.param_server import (
     HEADER,

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshforge.config import JobConfig
+from meshforge.layout import ParallelDims
 from meshforge.observe.memory import SavedActivations
-from meshforge.parallel.dims import ParallelDims
 from meshforge.parallel.parallelize import (
     ModelParts,
     grad_norm_and_clip,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshforge.config import JobConfig
+from meshforge.config import JobConfig, parse_steps
 from meshforge.data.corpus import load_tokens
 from meshforge.data.loader import DistributedBatchLoader, NoBatches, val_batches
 from meshforge.errors import ConfigError
@@ -43,7 +43,7 @@ from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import RANK_FIGURES, StragglerWatch, rank_figures
-from meshforge.observe.trace import StepTracer, parse_steps
+from meshforge.observe.trace import StepTracer
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.plan.flops import (
     FACTORY_FLOPS_CONVENTION,

@@ -1,0 +1,101 @@
+"""`ParallelDims`: a checked layout, the only place that knows ranks and groups.
+
+Everything else asks it: the data-parallel rank and size (which samples a rank reads),
+the tensor- and pipeline-parallel degrees, and the pipeline's schedule and
+micro-batches. It is built by `layout.rules.derive`, which refuses a layout that
+cannot train; parallel/mesh.py builds the DeviceMesh from it.
+
+Rank order follows torchtitan and Megatron-LM: tensor parallel innermost (a TP
+group is contiguous, so it stays inside a node when it fits), data parallel next,
+pipeline stages outermost. The mesh is `("pp", "dp", "tp")`;
+global rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+
+Under `parallel.mode: parameter_server` there is no mesh: the first `dp` ranks are
+workers (data parallel replicas, global rank 0 among them) and the last `servers`
+ranks hold the parameters and optimizer state (parallel/param_server.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshforge.layout.schedule import stages_per_rank
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1  # per data-parallel rank per optimizer step
+    # parallel.mode: parameter_server: the last `servers` ranks, after dp workers
+    servers: int = 0
+    ps_sync: bool = True
+    max_staleness: int = 0
+
+    # -- degrees --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp + self.servers
+
+    @property
+    def parameter_server(self) -> bool:
+        return self.servers > 0
+
+    @property
+    def compute_ranks(self) -> int:
+        """Ranks that run the model: the world, or the workers of a parameter server."""
+        return self.dp * self.tp * self.pp
+
+    def is_server(self, rank: int) -> bool:
+        return rank >= self.compute_ranks
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * stages_per_rank(self.pp_schedule, self.virtual_stages)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The sizes of the mesh's dimensions, in MESH_DIMS order."""
+        return (self.pp, self.dp, self.tp)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dp": self.dp, "zero": self.zero, "tp": self.tp, "pp": self.pp}
+        if self.parameter_server:
+            out.update(
+                mode="parameter_server",
+                servers=self.servers,
+                workers=self.dp,
+                sync=self.ps_sync,
+                max_staleness=self.max_staleness,
+            )
+        if self.tp_enabled:
+            out["sequence_parallel"] = self.sequence_parallel
+        if self.pp_enabled:
+            out["pp_schedule"] = self.pp_schedule
+            out["virtual_stages"] = stages_per_rank(self.pp_schedule, self.virtual_stages)
+        return out
+
+    # -- ranks (pure: the same arithmetic the mesh uses) ------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's position on each mesh dimension."""
+        return {
+            "tp": rank % self.tp,
+            "dp": (rank // self.tp) % self.dp,
+            "pp": rank // (self.tp * self.dp),
+        }

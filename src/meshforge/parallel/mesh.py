@@ -1,0 +1,16 @@
+"""The one N-D DeviceMesh of a job, built from its checked layout (layout.ParallelDims)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshforge.layout import MESH_DIMS, ParallelDims
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+    """One DeviceMesh over the world with named dimensions ("pp", "dp", "tp"); a
+    dimension of size 1 is kept so every layout names the same dimensions."""
+    if dims.parameter_server:
+        raise ValueError("a parameter-server layout has no device mesh")
+    return init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
