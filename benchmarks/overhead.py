@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from meshforge.launch.local import free_port
-from meshforge.plan.auto import cpu_model_name
+from meshforge.plan.jobs.auto import cpu_model_name
 
 HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 16

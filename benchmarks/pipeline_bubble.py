@@ -8,7 +8,7 @@ table puts side by side:
 
 * bubble measured: report.json pipeline.bubble_measured, the mean over ranks of
   1 - (time in the stages' forward/backward/loss) / (schedule wall time), steady steps
-* formula: plan/timing.py pipeline_bubble_fraction, (p-1)/(m+p-1) for GPipe and 1F1B,
+* formula: plan/core/timing.py pipeline_bubble_fraction, (p-1)/(m+p-1) for GPipe and 1F1B,
   (p-1)/(m·v+p-1) interleaved, (p-1)/(2m+p-1) for ZB-V (the bound before its
   weight-gradient fill; ZB-V's ideal bubble is 0, so measured < formula is expected)
 * tokens/s (report.json, median of steady logging intervals), and as a ratio of
@@ -39,8 +39,8 @@ from pathlib import Path
 import yaml
 
 from meshforge.layout.schedule import interleaved_accepts, min_microbatches
-from meshforge.plan.auto import cpu_model_name
-from meshforge.plan.timing import pipeline_bubble_fraction
+from meshforge.plan.core.timing import pipeline_bubble_fraction
+from meshforge.plan.jobs.auto import cpu_model_name
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")

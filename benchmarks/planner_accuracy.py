@@ -241,7 +241,7 @@ def main() -> None:
             )
     from importlib.metadata import version
 
-    from meshforge.plan.auto import cpu_model_name
+    from meshforge.plan.jobs.auto import cpu_model_name
 
     print(
         f"machine: {cpu_model_name()}, {os.cpu_count()} cores, torch {version('torch')}; "

@@ -71,7 +71,7 @@ SMALL_GPT = {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "se
 
 
 def _small_cpu_profile():
-    from meshforge.plan.profile import MachineProfile
+    from meshforge.plan.core.profile import MachineProfile
 
     return MachineProfile(
         name="cpu:gloo:1thr",

@@ -14,10 +14,10 @@ from meshforge.cost.cluster import load_cluster, parse_cluster
 from meshforge.cost.run import run_cost_from_plan, run_cost_from_report
 from meshforge.cost.tco import tco
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.predict import evaluate
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.predict import evaluate
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
 

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import meshforge
 from meshforge.config import load_config
-from meshforge.plan.flops import FLOPS_CONVENTION, shape_of, training_flops_per_token
+from meshforge.plan.core.flops import FLOPS_CONVENTION, shape_of, training_flops_per_token
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_run_directory_has_the_designed_layout(job_factory):
     fractions = report["time_breakdown"]
     assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6)
     assert report["mfu"] is not None and 0 < report["mfu"] < 1
-    # one FLOP convention, said out loud, the planner's (plan/flops.py); MFU from it
+    # one FLOP convention, said out loud, the planner's (plan/core/flops.py); MFU from it
     shape = shape_of(load_config(job.run_dir / "config.yaml"))
     assert report["flops_convention"] == FLOPS_CONVENTION
     assert report["flops_per_token"] == training_flops_per_token(shape)

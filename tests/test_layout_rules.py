@@ -7,7 +7,7 @@ import pytest
 from meshforge.config import build_config
 from meshforge.errors import ConfigError
 from meshforge.layout import JOB_NAMES, LayoutRequest, ModelShape, check, derive
-from meshforge.plan.layout import FLAG_NAMES
+from meshforge.plan.core.layout import FLAG_NAMES
 
 SHAPE = ModelShape(n_layers=4, d_model=64, n_heads=4, kv_heads=4, mlp_hidden=256,
                    vocab_size=256, seq_len=32)  # fmt: skip
@@ -67,4 +67,3 @@ def test_a_job_config_and_its_layout_request_agree():
     dims = cfg.dims(4)
     assert (dims.dp, dims.pp, dims.pp_schedule, dims.microbatches) == (2, 2, "gpipe", 2)
     assert dims.as_dict()["pp_schedule"] == "gpipe"
-

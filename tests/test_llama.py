@@ -12,7 +12,7 @@ from layouts import job, train_layout
 from meshforge.config import ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.models.llama import Llama, apply_rotary, rotary
-from meshforge.plan.flops import gpt_param_count, shape_of
+from meshforge.plan.core.flops import gpt_param_count, shape_of
 
 STEPS = 20
 RTOL = 1e-4

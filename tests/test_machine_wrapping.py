@@ -3,7 +3,7 @@ two layers per stage (tp 1, or tensor-parallel stages of a pipeline), the model 
 its tensor parallelism alone, and (where the step could not be timed) the data-parallel
 wrapping on one and two of the job's blocks (DDP, ZeroRedundancyOptimizer, FSDP2 units),
 on the live gloo group (observe/machine.py). These figures carry the CPU host model of
-`predicted` (plan/timing.py); how close it comes is a speed figure, reported by
+`predicted` (plan/core/timing.py); how close it comes is a speed figure, reported by
 benchmarks/planner_accuracy.py."""
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _steps(parallel: dict, recompute: str, world: int = 2) -> tuple[dict, list[s
 
     from meshforge.observe.machine import measure_steps
     from meshforge.parallel.mesh import build_mesh
-    from meshforge.plan.job import host_warnings
-    from meshforge.plan.timing import HostCosts, TimedSteps
+    from meshforge.plan.core.timing import HostCosts, TimedSteps
+    from meshforge.plan.jobs.job import host_warnings
 
     cfg = build_config({"model": {**MODEL, "tie_embeddings": False},
                         "parallel": parallel,

@@ -9,7 +9,10 @@ from helpers import SMALL_CPU_PROFILE as PROFILE
 from helpers import SMALL_GPT as MODEL
 from meshforge.config import ParallelConfig, build_config
 from meshforge.errors import ConfigError
-from meshforge.plan.auto import (
+from meshforge.plan.core.cluster import build_cluster
+from meshforge.plan.core.layout import Layout
+from meshforge.plan.core.predict import predict_run
+from meshforge.plan.jobs.auto import (
     ASSUMED_CPU_PROFILE,
     HostCosts,
     PlanningMachine,
@@ -21,9 +24,6 @@ from meshforge.plan.auto import (
     save_cached_profile,
     shape_of,
 )
-from meshforge.plan.layout import Layout
-from meshforge.plan.predict import predict_run
-from meshforge.plan.request import build_cluster
 
 HOST = HostCosts(2e9, 2e8)
 

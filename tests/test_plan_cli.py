@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from helpers import REPO, assert_one_line_error, meshforge
-from meshforge.plan.efficiency import curve_for
+from meshforge.plan.core.efficiency import curve_for
 
 ISSUE_FORM = (
     "--layers 96 --hidden 12288 --heads 96 --vocab 51200 --seq 2048 --gpus 1024 "
@@ -407,7 +407,7 @@ def test_ctrl_c_during_a_search_is_one_line_and_exit_130(capsys, monkeypatch):
     import signal
     import time
 
-    import meshforge.plan.request as request
+    import meshforge.plan.jobs.request as request
 
     def interrupted(*args, **kwargs):  # the search, as a Ctrl-C reaches it
         os.kill(os.getpid(), signal.SIGINT)
@@ -425,9 +425,9 @@ def test_ctrl_c_during_a_search_is_one_line_and_exit_130(capsys, monkeypatch):
 def test_a_published_run_is_planned_from_flags_as_the_validation_plans_it(capsys):
     """BLOOM-176B (DeepSpeed's pipeline engine, 100 Gb/s Omni-Path ports) and Megatron-Core's
     GPT 7.1B (its buckets and overlaps) from the command line: the step time of their rows
-    in the validation table (plan/validation.py), to the digit."""
-    from meshforge.plan.published import PUBLISHED_RUNS
-    from meshforge.plan.validation import planner_inputs, predicted_step_s
+    in the validation table (plan/core/validation.py), to the digit."""
+    from meshforge.plan.core.published import PUBLISHED_RUNS
+    from meshforge.plan.core.validation import planner_inputs, predicted_step_s
 
     bloom = next(r for r in PUBLISHED_RUNS if r.source == "bloom2022")
     core = next(r for r in PUBLISHED_RUNS if r.name == "GPT 7.1B")
@@ -491,8 +491,8 @@ def test_a_runs_config_is_planned_at_the_world_size_it_ran(tmp_path, capsys):
 
 
 def test_a_llama_shape_by_flags_plans_as_the_validation_plans_llama_3_405b(capsys):
-    from meshforge.plan.published import PUBLISHED_RUNS
-    from meshforge.plan.validation import planner_inputs, predicted_step_s
+    from meshforge.plan.core.published import PUBLISHED_RUNS
+    from meshforge.plan.core.validation import planner_inputs, predicted_step_s
 
     run = next(r for r in PUBLISHED_RUNS if r.name.startswith("Llama 3 405B (8192"))
     x = planner_inputs(run)

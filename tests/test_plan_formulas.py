@@ -8,15 +8,15 @@ import pytest
 
 from helpers import run_python
 from meshforge.errors import ConfigError
-from meshforge.plan.comm import (
+from meshforge.plan.core.comm import (
     busbw,
     busbw_factor,
     collective_time,
     ring_allreduce_time,
     tp_elements_per_layer,
 )
-from meshforge.plan.efficiency import A100_CURVE, ComputeCurve
-from meshforge.plan.flops import (
+from meshforge.plan.core.efficiency import A100_CURVE, ComputeCurve
+from meshforge.plan.core.flops import (
     GPTShape,
     gpt_param_count,
     korthikanti_model_flops,
@@ -25,14 +25,14 @@ from meshforge.plan.flops import (
     microbatch_flops,
     params_per_rank,
 )
-from meshforge.plan.timing import pipeline_bubble_ratio
+from meshforge.plan.core.timing import pipeline_bubble_ratio
 
 
 def test_planner_modules_do_not_import_torch():
     # plan/ and cost/ are pure maths (DESIGN principle 6): checked in a fresh interpreter.
     code = (
-        "import sys, meshforge.plan.search, meshforge.plan.request, meshforge.plan.validation, "
-        "meshforge.plan.job, meshforge.plan.machine_fit, meshforge.plan.auto, "
+        "import sys, meshforge.plan.core.search, meshforge.plan.jobs.request, "
+        "meshforge.plan.core.validation, meshforge.plan.jobs.job, meshforge.plan.jobs.machine_fit, meshforge.plan.jobs.auto, "
         "meshforge.layout, meshforge.cost.run, meshforge.cost.cluster; "
         "print('torch' in sys.modules)"
     )
@@ -188,10 +188,10 @@ def test_efficiency_rises_with_matmul_size_and_stays_below_f_max():
 
 
 def _dp_step(framework=None, zero=1):
-    from meshforge.plan.flops import GPTShape
-    from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
-    from meshforge.plan.layout import Layout, Training
-    from meshforge.plan.timing import Framework, step_time
+    from meshforge.plan.core.flops import GPTShape
+    from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
+    from meshforge.plan.core.layout import Layout, Training
+    from meshforge.plan.core.timing import Framework, step_time
 
     shape = GPTShape(24, 2048, 16, 50304, 2048)
     cluster = Cluster(gpu_spec("h100"), 64, 8, link_spec("nvlink4"), link_spec("ib-ndr"), 8)
@@ -201,7 +201,7 @@ def _dp_step(framework=None, zero=1):
 
 
 def test_hidden_traffic_slows_compute_by_the_stated_fraction():
-    from meshforge.plan.timing import OVERLAP_SLOWDOWN
+    from meshforge.plan.core.timing import OVERLAP_SLOWDOWN
 
     t = _dp_step()
     hidden = t.dp_comm_total_s - t.dp_comm_exposed_s
@@ -213,7 +213,7 @@ def test_hidden_traffic_slows_compute_by_the_stated_fraction():
 
 
 def test_a_framework_that_reduces_after_the_step_exposes_all_of_it():
-    from meshforge.plan.timing import Framework
+    from meshforge.plan.core.timing import Framework
 
     overlapped = _dp_step()
     after = _dp_step(Framework(dp_overlap=False))
@@ -224,8 +224,8 @@ def test_a_framework_that_reduces_after_the_step_exposes_all_of_it():
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_larger_gradient_buckets_pay_fewer_ring_latencies(zero):
-    from meshforge.plan.dp_traffic import DDP_BUCKET_BYTES
-    from meshforge.plan.timing import Framework
+    from meshforge.plan.core.dp_traffic import DDP_BUCKET_BYTES
+    from meshforge.plan.core.timing import Framework
 
     small = _dp_step(zero=zero)
     large = _dp_step(Framework(grad_bucket_bytes=8 * DDP_BUCKET_BYTES), zero=zero)

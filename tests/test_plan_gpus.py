@@ -1,4 +1,4 @@
-"""One GPU table (plan/gpus.py) for the planner and the trainer's MFU, and one FLOP
+"""One GPU table (plan/core/gpus.py) for the planner and the trainer's MFU, and one FLOP
 count for `plan` and the run reports."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 
 from meshforge.errors import ConfigError
 from meshforge.observe.peak import gpu_peak_flops
-from meshforge.plan.efficiency import curve_for
-from meshforge.plan.flops import GPTShape, microbatch_flops, training_flops_per_token
-from meshforge.plan.gpus import GPU_BY_KEY, GPUS, gpu_key, match_cuda_name, normalise_cuda_name
-from meshforge.plan.hardware import DEFAULT_INTRA_LINK, GPU_CATALOGUE, LINK_PRESETS, gpu_spec
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.predict import evaluate
-from meshforge.plan.request import build_cluster
+from meshforge.plan.core.cluster import build_cluster
+from meshforge.plan.core.efficiency import curve_for
+from meshforge.plan.core.flops import GPTShape, microbatch_flops, training_flops_per_token
+from meshforge.plan.core.gpus import GPU_BY_KEY, GPUS, gpu_key, match_cuda_name, normalise_cuda_name
+from meshforge.plan.core.hardware import DEFAULT_INTRA_LINK, GPU_CATALOGUE, LINK_PRESETS, gpu_spec
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.predict import evaluate
 
 # What torch.cuda.get_device_name reports, one per row of the table.
 CUDA_NAMES = {

@@ -12,11 +12,11 @@ from layouts import job, train_layout
 from meshforge.cli import main as meshforge_main
 from meshforge.errors import ConfigError
 from meshforge.layout.stages import layer_split
-from meshforge.plan.flops import GPTShape, params_per_rank
-from meshforge.plan.layout import Layout, Training, check_layout
-from meshforge.plan.memory import activation_memory_bytes, layers_in_flight
-from meshforge.plan.predict import evaluate
-from meshforge.plan.request import build_cluster
+from meshforge.plan.core.cluster import build_cluster
+from meshforge.plan.core.flops import GPTShape, params_per_rank
+from meshforge.plan.core.layout import Layout, Training, check_layout
+from meshforge.plan.core.memory import activation_memory_bytes, layers_in_flight
+from meshforge.plan.core.predict import evaluate
 
 BLOOM_FORM = (
     "--layers 70 --hidden 14336 --heads 112 --vocab 250880 --seq 2048 --gpus 384 "
@@ -117,7 +117,7 @@ def test_a_pipeline_free_layout_has_no_stage_list():
 
 
 def test_search_offers_pipelines_that_do_not_divide_the_layers():
-    from meshforge.plan.search import LayoutChoice, search_layouts
+    from meshforge.plan.core.search import LayoutChoice, search_layouts
 
     shape = GPTShape(7, 512, 8, 1000, 256)
     result = search_layouts(shape, Training(global_batch=48), build_cluster(6, "h100"),

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.memory import (
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.memory import (
     activation_bytes_per_layer,
     activation_memory_bytes,
     comm_buffer_bytes,
@@ -19,8 +19,8 @@ from meshforge.plan.memory import (
     model_state_bytes,
     working_bytes,
 )
-from meshforge.plan.predict import evaluate
-from meshforge.plan.profile import MachineProfile
+from meshforge.plan.core.predict import evaluate
+from meshforge.plan.core.profile import MachineProfile
 
 DP_DEGREES = (1, 4, 16, 64, 256, 1024)
 PARAM_COUNTS = (7.5e9, 128e9, 1e12)

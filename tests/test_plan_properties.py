@@ -1,5 +1,5 @@
 """Properties any step-time model of the planner must keep, whatever its constants: on
-catalogue GPUs and shapes drawn from reasonable ranges, through `plan.predict.evaluate`.
+catalogue GPUs and shapes drawn from reasonable ranges, through `plan.core.predict.evaluate`.
 
 * More GPUs at a fixed global batch never raise the per-GPU throughput (ZeRO-3, data
   parallel only, same micro-batch): the work per sequence is the same, and more ranks
@@ -14,11 +14,11 @@ from __future__ import annotations
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import LINK_PRESETS
-from meshforge.plan.layout import Layout, Training, is_valid
-from meshforge.plan.predict import evaluate
-from meshforge.plan.request import build_cluster
+from meshforge.plan.core.cluster import build_cluster
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import LINK_PRESETS
+from meshforge.plan.core.layout import Layout, Training, is_valid
+from meshforge.plan.core.predict import evaluate
 
 GPUS = ["a100-80gb", "h100"]
 REL = 1e-9  # float noise only

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.predict import evaluate, predict_run
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.search import LayoutChoice, best_layout, search_layouts
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.predict import evaluate, predict_run
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.search import LayoutChoice, best_layout, search_layouts
 
 GIB = 2**30
 

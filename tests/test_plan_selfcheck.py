@@ -21,17 +21,17 @@ import pytest
 from helpers import SMALL_CPU_PROFILE as PROFILE
 from helpers import SMALL_GPT as MODEL
 from meshforge.config import build_config
-from meshforge.plan.auto import HostCosts, host_step_time
-from meshforge.plan.comm import collective_time
-from meshforge.plan.dp_traffic import CLIP_BYTES_PER_PARAM, rank_models
-from meshforge.plan.efficiency import matmul_unit_flops
-from meshforge.plan.flops import GPTShape, microbatch_flops
-from meshforge.plan.job import predict_for_job
-from meshforge.plan.layout import Layout
-from meshforge.plan.machine_fit import fit_allreduce, fit_matmul_curve
-from meshforge.plan.predict import predict_run
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.timing import TensorParallelModels, TimedSteps, WrappedBlocks
+from meshforge.plan.core.comm import collective_time
+from meshforge.plan.core.dp_traffic import CLIP_BYTES_PER_PARAM, rank_models
+from meshforge.plan.core.efficiency import matmul_unit_flops
+from meshforge.plan.core.flops import GPTShape, microbatch_flops
+from meshforge.plan.core.layout import Layout
+from meshforge.plan.core.predict import predict_run
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.timing import TensorParallelModels, TimedSteps, WrappedBlocks
+from meshforge.plan.jobs.auto import HostCosts, host_step_time
+from meshforge.plan.jobs.job import predict_for_job
+from meshforge.plan.jobs.machine_fit import fit_allreduce, fit_matmul_curve
 
 TRAIN = {"steps": 30, "global_batch": 16, "micro_batch": 8}
 

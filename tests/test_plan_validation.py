@@ -1,4 +1,4 @@
-"""The time model against independent published runs (plan/published.py): conversion,
+"""The time model against independent published runs (plan/core/published.py): conversion,
 fit, leave-one-source-out error, and the table in docs/planner.md."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from meshforge.plan.comm import NETWORK_SCALING
-from meshforge.plan.efficiency import CALIBRATIONS, curve_for
-from meshforge.plan.published import PUBLISHED_RUNS
-from meshforge.plan.validation import BOUND, fit, fitted, markdown, validation_table
+from meshforge.plan.core.comm import NETWORK_SCALING
+from meshforge.plan.core.efficiency import CALIBRATIONS, curve_for
+from meshforge.plan.core.published import PUBLISHED_RUNS
+from meshforge.plan.core.validation import BOUND, fit, fitted, markdown, validation_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
 USABLE = tuple(r for r in PUBLISHED_RUNS if fitted(r))
@@ -67,8 +67,8 @@ def test_the_docs_table_is_the_computed_one():
 
 def test_the_validated_range_of_matmul_sizes_is_the_published_runs():
     """`plan` warns below VALIDATED_MIN_UNIT_FLOPS: no published run is below it."""
-    from meshforge.plan.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
-    from meshforge.plan.validation import planner_inputs
+    from meshforge.plan.core.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
+    from meshforge.plan.core.validation import planner_inputs
 
     units = []
     for run in USABLE:
@@ -86,8 +86,8 @@ def test_an_unpublished_micro_batch_is_the_fastest_that_fits():
     and fits the GPU (1 where none fits by the planner's memory model)."""
     from dataclasses import replace
 
-    from meshforge.plan.comm import NETWORK_SCALING as SCALING
-    from meshforge.plan.validation import _fits, _step_s, planner_inputs
+    from meshforge.plan.core.comm import NETWORK_SCALING as SCALING
+    from meshforge.plan.core.validation import _fits, _step_s, planner_inputs
 
     unpublished = [r for r in USABLE if r.micro_batch is None]
     assert unpublished

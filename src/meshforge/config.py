@@ -476,7 +476,7 @@ class JobConfig(_Section):
     name: str = "job"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    # "auto": the planner picks the layout at launch (plan/auto.py, resolve_parallel_auto)
+    # "auto": the planner picks the layout at launch (plan/jobs/auto.py, resolve_parallel_auto)
     parallel: ParallelConfig | Literal["auto"] = Field(ParallelConfig(), union_mode="left_to_right")
     precision: PrecisionConfig = PrecisionConfig()
     train: TrainConfig = TrainConfig()

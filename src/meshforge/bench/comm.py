@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from meshforge.bench.sizes import parse_size as parse_size
 from meshforge.errors import ConfigError
-from meshforge.plan.comm import busbw_factor
+from meshforge.plan.core.comm import busbw_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")

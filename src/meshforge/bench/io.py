@@ -509,10 +509,10 @@ def need_from_plan(
     says ``parallel: auto``; a global batch the data-parallel degree does not divide is
     rounded up to one it does (weak scaling, said in the source line)."""
     from meshforge.config import load_config
-    from meshforge.plan.flops import shape_of
-    from meshforge.plan.layout import Training
-    from meshforge.plan.request import build_cluster
-    from meshforge.plan.search import LayoutChoice, best_layout
+    from meshforge.plan.core.cluster import build_cluster
+    from meshforge.plan.core.flops import shape_of
+    from meshforge.plan.core.layout import Training
+    from meshforge.plan.core.search import LayoutChoice, best_layout
 
     _cluster_size(nodes, gpus_per_node)
     cfg = load_config(config)

@@ -99,9 +99,10 @@ def cost_command(
     if run is not None:
         run_costs = run_cost_from_report(run, costs)
     elif tokens is not None:
-        from meshforge.plan.layout import Training
-        from meshforge.plan.request import build_cluster, build_model, plan
-        from meshforge.plan.search import LayoutChoice
+        from meshforge.plan.core.cluster import build_cluster
+        from meshforge.plan.core.layout import Training
+        from meshforge.plan.core.search import LayoutChoice
+        from meshforge.plan.jobs.request import build_model, plan
 
         if cluster.gpus.kind is None:
             raise ConfigError(f"{cluster_file}: gpus.kind is needed to plan a run (--tokens)")
@@ -123,7 +124,7 @@ def cost_command(
                             optimizer, attention == "sdpa")  # fmt: skip
         refusal = None
         if preset is not None:  # meshforge's model: the layouts its trainer runs (as plan)
-            from meshforge.plan.request import preset_refusal
+            from meshforge.plan.jobs.request import preset_refusal
 
             shape_flags = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
                            "seq": seq}  # fmt: skip

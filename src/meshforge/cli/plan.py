@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.app import app
-from meshforge.plan.gpus import ALIASES, GPU_BY_KEY
+from meshforge.plan.core.gpus import ALIASES, GPU_BY_KEY
 from meshforge.presets import PRESETS
 
 if TYPE_CHECKING:
-    from meshforge.plan.job import JobPlan
-    from meshforge.plan.predict import Prediction
-    from meshforge.plan.search import LayoutChoice
+    from meshforge.plan.core.predict import Prediction
+    from meshforge.plan.core.search import LayoutChoice
+    from meshforge.plan.jobs.job import JobPlan
 
 _JOB = "Job"
 _MODEL = "Model (not with --config: the job gives it)"
@@ -209,10 +209,12 @@ def plan_command(
     of a model given by flags, or of a job file (--config, with layout flags overriding
     the job's fields). The output marks each layout field given or searched (*)."""
     from meshforge.errors import ConfigError
-    from meshforge.plan.job import layout_fields
-    from meshforge.plan.layout import Training
-    from meshforge.plan.request import (
-        build_cluster,
+    from meshforge.plan.core.cluster import build_cluster
+    from meshforge.plan.core.layout import Training
+    from meshforge.plan.core.search import LayoutChoice
+    from meshforge.plan.core.timing import framework_for
+    from meshforge.plan.jobs.job import layout_fields
+    from meshforge.plan.jobs.request import (
         build_model,
         plan,
         plan_json,
@@ -220,8 +222,6 @@ def plan_command(
         preset_refusal,
         world_size_from,
     )
-    from meshforge.plan.search import LayoutChoice
-    from meshforge.plan.timing import framework_for
 
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
                          sequence_parallel)  # fmt: skip
@@ -366,7 +366,7 @@ def _load_job(config: Path, overrides: list[str], flags: LayoutChoice) -> JobPla
     """The job `meshforge train CONFIG --set ...` would run (the same loader and checks),
     as the planner sees it; the layout flags override the job's fields."""
     from meshforge.config import load_config
-    from meshforge.plan.job import plan_for_job
+    from meshforge.plan.jobs.job import plan_for_job
 
     return plan_for_job(load_config(config, overrides), flags)
 
@@ -375,7 +375,7 @@ def _shape_dict(model: object) -> dict[str, object] | None:
     """The planned model's shape for --json (None: a bare parameter count)."""
     from dataclasses import asdict
 
-    from meshforge.plan.flops import GPTShape
+    from meshforge.plan.core.flops import GPTShape
 
     if not isinstance(model, GPTShape):
         return None
@@ -395,7 +395,7 @@ def _run_world_size(config: Path) -> int | None:
 
 def _job_world_size(job: JobPlan, config: Path) -> int:
     from meshforge.errors import ConfigError
-    from meshforge.plan.job import JOB_FIELDS
+    from meshforge.plan.jobs.job import JOB_FIELDS
 
     if job.world_size is not None:
         return job.world_size

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from meshforge.config import read_yaml_file
 from meshforge.errors import ConfigError
-from meshforge.plan.gpus import GPU_BY_KEY, gpu_key
-from meshforge.plan.hardware import LINK_PRESETS
+from meshforge.plan.core.gpus import GPU_BY_KEY, gpu_key
+from meshforge.plan.core.hardware import LINK_PRESETS
 
 
 class _Section(BaseModel):
@@ -25,7 +25,7 @@ class _Section(BaseModel):
 class GpuSection(_Section):
     count: int = Field(ge=1)
     unit_price_usd: float = Field(ge=0)
-    kind: str | None = None  # plan/gpus.py key (a100-80gb, h100, ...), for planned runs
+    kind: str | None = None  # plan/core/gpus.py key (a100-80gb, h100, ...), for planned runs
 
     @model_validator(mode="after")
     def _known_kind(self) -> GpuSection:

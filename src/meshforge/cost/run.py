@@ -17,7 +17,7 @@ from typing import Any
 
 from meshforge.cost.tco import Tco
 from meshforge.errors import ConfigError
-from meshforge.plan.predict import Prediction
+from meshforge.plan.core.predict import Prediction
 
 
 @dataclass(frozen=True)

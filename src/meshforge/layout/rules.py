@@ -1,7 +1,7 @@
 """Every layout rule, written once: what a layout must satisfy to split a model and a
 batch over a world of ranks.
 
-The job file (config.py), `meshforge plan` (plan/layout.py) and the trainer
+The job file (config.py), `meshforge plan` (plan/core/layout.py) and the trainer
 (`derive`, which builds the `ParallelDims` the mesh is made from) all ask `check`.
 Each caller gives `Names`: how it calls its fields, so the same rule says
 `parallel.tp=3 does not divide model.n_heads=4` for a job file and

@@ -2,7 +2,7 @@
 
 `measure_profile` runs inside the trainer, on every rank together (it uses the live
 process group), under the run's own conditions (the same threads per worker, the other
-workers busy at the same moment). `plan.machine_fit` fits the figures into a
+workers busy at the same moment). `plan.jobs.machine_fit` fits the figures into a
 `MachineProfile` and caches it for `parallel: auto`.
 
 compute     the peak: the cached big-matmul rate of this CPU for the dtype and thread
@@ -21,7 +21,7 @@ layout      the run's own layout, as the trainer runs it: with tp 1 or a pipelin
             two layers per stage; under tensor parallelism alone (no pipeline), the
             model cut to one and two blocks and sharded by its own plan; where the step
             could not be timed, the data-parallel wrapping alone on one and two blocks
-            (`TimedSteps`, `TensorParallelModels`, `WrappedBlocks` in plan/timing.py: the
+            (`TimedSteps`, `TensorParallelModels`, `WrappedBlocks` in plan/core/timing.py: the
             CPU host model's figures).
 memory      host RAM on a CPU (shared by the ranks), the device's memory on a GPU; on a
             CPU also the process's own resident bytes beyond its parameters, after the
@@ -67,23 +67,23 @@ from meshforge.observe.peak import (
     measure_cpu_matmul_flops,
 )
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.plan.auto import HostCosts
-from meshforge.plan.efficiency import matmul_unit_flops
-from meshforge.plan.flops import microbatch_flops, shape_of
-from meshforge.plan.job import param_bytes_per_rank
-from meshforge.plan.machine_fit import (
+from meshforge.plan.core.efficiency import matmul_unit_flops
+from meshforge.plan.core.flops import microbatch_flops, shape_of
+from meshforge.plan.core.timing import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    TensorParallelModels,
+    TimedSteps,
+    WrappedBlocks,
+)
+from meshforge.plan.jobs.auto import HostCosts
+from meshforge.plan.jobs.job import param_bytes_per_rank
+from meshforge.plan.jobs.machine_fit import (
     ComputeAtSize,
     MachineMeasurements,
     MeasuredProfile,
     fit_profile,
     measurement_record,
     remember_profile,
-)
-from meshforge.plan.timing import (
-    OPTIMIZER_BYTES_PER_PARAM,
-    TensorParallelModels,
-    TimedSteps,
-    WrappedBlocks,
 )
 
 log = logging.getLogger(__name__)

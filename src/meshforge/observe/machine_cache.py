@@ -24,8 +24,8 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from meshforge.plan.auto import HostCosts, cache_dir, cpu_model_name
-from meshforge.plan.machine_fit import ComputeAtSize, MachineMeasurements
+from meshforge.plan.jobs.auto import HostCosts, cache_dir, cpu_model_name
+from meshforge.plan.jobs.machine_fit import ComputeAtSize, MachineMeasurements
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Peak FLOP/s of the device a run trains on, the denominator of MFU.
 
-GPUs: the one GPU table (``meshforge.plan.gpus``, shared with the planner) of
+GPUs: the one GPU table (``meshforge.plan.core.gpus``, shared with the planner) of
 dense (no sparsity) figures from NVIDIA's datasheets, matched by the full CUDA
 device name. A GPU that is not in the table gets ``None`` and source
 ``"unknown"``: never another GPU's figure, so MFU is reported as "n/a" rather
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from meshforge.plan.gpus import match_cuda_name
+from meshforge.plan.core.gpus import match_cuda_name
 
 
 @dataclass

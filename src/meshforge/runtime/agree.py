@@ -44,7 +44,7 @@ def resolve_open_decisions(cfg: JobConfig, world: int) -> JobConfig:
     """What is left to decide once the world is known: `parallel: auto`."""
     if cfg.parallel != "auto":
         return cfg
-    from meshforge.plan.auto import resolve_parallel_auto
+    from meshforge.plan.jobs.auto import resolve_parallel_auto
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cfg, line = resolve_parallel_auto(cfg, world, local, max(1, world // max(1, local)))

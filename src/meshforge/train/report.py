@@ -266,7 +266,7 @@ def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str,
 def pipeline_summary(trainer: Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The pipeline bubble measured on the run (each rank's idle share of the schedule's
     wall time, from the stages' own compute timings) beside the formula's value."""
-    from meshforge.plan.timing import pipeline_bubble_fraction
+    from meshforge.plan.core.timing import pipeline_bubble_fraction
 
     dims = trainer.dims
     if not dims.pp_enabled:
@@ -292,7 +292,7 @@ def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
     if measured is None:
         return None
     try:
-        from meshforge.plan.job import predict_for_job
+        from meshforge.plan.jobs.job import predict_for_job
 
         predicted = predict_for_job(
             trainer.cfg,

@@ -45,7 +45,7 @@ from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import RANK_FIGURES, StragglerWatch, rank_figures
 from meshforge.observe.trace import StepTracer
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.plan.flops import (
+from meshforge.plan.core.flops import (
     FACTORY_FLOPS_CONVENTION,
     FLOPS_CONVENTION,
     ParamCount,

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshforge.plan.efficiency import matmul_unit_flops
-from meshforge.plan.flops import GPTShape, microbatch_flops
+from meshforge.plan.core.efficiency import matmul_unit_flops
+from meshforge.plan.core.flops import GPTShape, microbatch_flops
 
 
 @dataclass(frozen=True)

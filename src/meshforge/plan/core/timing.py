@@ -21,8 +21,8 @@ hidden data-parallel traffic. Tensor-parallel traffic overlapped by Megatron-Cor
 --tp-comm-overlap is left out: it moves through userbuffers and copy engines, not the
 NCCL kernels the paper measured.
 
-Compute is plan/work.py (matmuls through the device's curve, memory-bound kernels from
-their bytes). Data-parallel traffic is plan/dp_traffic.py, shared with the CPU host
+Compute is plan/core/work.py (matmuls through the device's curve, memory-bound kernels from
+their bytes). Data-parallel traffic is plan/core/dp_traffic.py, shared with the CPU host
 model (`host_step_time`, below: gloo, no streams, all of it exposed); in `step_time` it
 overlaps compute as on a GPU, where NCCL runs on its own streams
 (dp_traffic.exposed_on_gpu).
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
-from meshforge.plan.dp_traffic import (
+from meshforge.plan.core.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
+from meshforge.plan.core.dp_traffic import (
     CLIP_BYTES_PER_PARAM,
     DDP_BUCKET_BYTES,
     GRAD_REDUCE_BYTES,
@@ -45,15 +45,15 @@ from meshforge.plan.dp_traffic import (
     exposed_on_gpu,
     rank_models,
 )
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import Cluster
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.memory import dtype_bytes
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.work import microbatch_work
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import Cluster
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.memory import dtype_bytes
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.work import microbatch_work
 
 if TYPE_CHECKING:
-    from meshforge.plan.predict import Prediction
+    from meshforge.plan.core.predict import Prediction
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
@@ -187,7 +187,7 @@ class Framework:
 
 
 # Other trainers by name (`meshforge plan --framework`), each as the validation's
-# published runs of it ran (plan/published.py), so that a row can be planned from the
+# published runs of it ran (plan/core/published.py), so that a row can be planned from the
 # command line. torch FSDP and DDP (torchtitan, llm-foundry) are meshforge's own
 # components: "meshforge".
 FRAMEWORKS = {

@@ -6,17 +6,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import DEFAULT_INTRA_LINK, Cluster, gpu_spec, link_spec
-from meshforge.plan.layout import Training
-from meshforge.plan.predict import Model, Prediction
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.search import LayoutChoice, best_layout, search_layouts
-from meshforge.plan.timing import Framework
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import Cluster
+from meshforge.plan.core.layout import Training
+from meshforge.plan.core.predict import Model, Prediction
+from meshforge.plan.core.search import LayoutChoice, best_layout, search_layouts
+from meshforge.plan.core.timing import Framework
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
 
@@ -92,7 +90,7 @@ def _preset_shape(
 ) -> GPTShape:
     """The shape a job file with `model: {preset: NAME, ...}` trains: the same config
     code reads both, so the planner and the trainer agree."""
-    from meshforge.plan.flops import shape_of
+    from meshforge.plan.core.flops import shape_of
 
     return shape_of(preset_config(preset, given, mlp_ratio, tied=tied))
 
@@ -142,13 +140,13 @@ def preset_job(
     choice: LayoutChoice,
     tied: bool | None = None,
 ) -> Any:
-    """A preset planned as the job that trains it (`plan.job.JobPlan`): its `refusal`
+    """A preset planned as the job that trains it (`plan.jobs.job.JobPlan`): its `refusal`
     keeps a search to the layouts `meshforge train` runs for that model (a tied head
     refuses pp > 1, tp divides the vocabulary and the kv heads, ...), and its
     `check_given` refuses a given layout the trainer would, with the trainer's reason.
     The training (batch, precision, optimizer, attention) stays the flags'."""
-    from meshforge.plan.flops import shape_of
-    from meshforge.plan.job import JobPlan
+    from meshforge.plan.core.flops import shape_of
+    from meshforge.plan.jobs.job import JobPlan
 
     cfg = preset_config(preset, given, mlp_ratio, training, tied)
     return JobPlan(cfg, shape_of(cfg), training, choice)
@@ -189,30 +187,6 @@ def preset_refusal(
         return None if reason is None else _in_flags(reason)
 
     return refusal
-
-
-def build_cluster(
-    gpus: int,
-    gpu: str = "h100",
-    gpus_per_node: int = 8,
-    network: str = "ib-ndr",
-    intra_network: str | None = None,
-    nics_per_node: int | None = None,
-    profile: str | Path | None = None,
-) -> Cluster:
-    """A catalogue GPU cluster, or (with a profile file) one measured machine."""
-    if profile is not None:
-        return MachineProfile.from_json_file(profile).to_cluster(gpus)
-    device = gpu_spec(gpu)
-    intra = link_spec(intra_network or DEFAULT_INTRA_LINK[device.name], "--intra-network")
-    return Cluster(
-        device=device,
-        n_gpus=gpus,
-        gpus_per_node=gpus_per_node,
-        intra=intra,
-        inter=link_spec(network),
-        nics_per_node=nics_per_node if nics_per_node is not None else gpus_per_node,
-    )
 
 
 def world_size_from(gpus: int | None, choice: LayoutChoice) -> int:
@@ -307,7 +281,7 @@ def _reason(
 def plan_warnings(model: Any, predictions: list[Prediction], device: Any) -> list[str]:
     """What the user should know about how far a plan carries: matmuls smaller than any
     of the published runs the GPU's constants were fitted on (efficiency.py)."""
-    from meshforge.plan.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
+    from meshforge.plan.core.efficiency import VALIDATED_MIN_UNIT_FLOPS, matmul_unit_flops
 
     if not isinstance(model, GPTShape) or not predictions:
         return []

@@ -1,6 +1,6 @@
 """What the planner knows about hardware: the GPU catalogue, link presets, and the
 cluster they make up. Pure data; every GPU figure comes from the one table in
-`plan/gpus.py` (vendor datasheets), which the trainer's MFU reads too.
+`plan/core/gpus.py` (vendor datasheets), which the trainer's MFU reads too.
 
 Achievable bandwidths are lower than the nominal ones: each link preset carries the
 bus bandwidth (nccl-tests convention) that an all-reduce typically reaches on it.
@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 from meshforge.errors import ConfigError
-from meshforge.plan.efficiency import ComputeCurve, curve_for
-from meshforge.plan.gpus import ALIASES, GPUS, Gpu, gpu_key
+from meshforge.plan.core.efficiency import ComputeCurve, curve_for
+from meshforge.plan.core.gpus import ALIASES, GPUS, Gpu, gpu_key
 
 GIB = 1024**3
 GB = 1e9

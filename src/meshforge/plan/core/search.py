@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import GPTShape
-from meshforge.plan.hardware import Cluster
-from meshforge.plan.layout import RECOMPUTE, Layout, Training, check_layout, is_valid
-from meshforge.plan.predict import Model, Prediction, evaluate
-from meshforge.plan.timing import Framework
+from meshforge.plan.core.flops import GPTShape
+from meshforge.plan.core.hardware import Cluster
+from meshforge.plan.core.layout import RECOMPUTE, Layout, Training, check_layout, is_valid
+from meshforge.plan.core.predict import Model, Prediction, evaluate
+from meshforge.plan.core.timing import Framework
 
 MAX_MICRO_BATCH = 64
 VIRTUAL_STAGE_CHOICES = (1, 2, 4)

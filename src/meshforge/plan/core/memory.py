@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from meshforge.errors import ConfigError
 from meshforge.layout.stages import RankStages, pipeline_ranks
-from meshforge.plan.flops import GPTShape
+from meshforge.plan.core.flops import GPTShape
 
 CONVENTIONS = ("meshforge", "zero-paper")
 FRAGMENTATION_MARGIN = 0.10  # caching-allocator fragmentation, as a share of allocated bytes

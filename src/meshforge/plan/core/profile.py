@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.efficiency import ComputeCurve
-from meshforge.plan.hardware import Cluster, DeviceSpec, LinkSpec
+from meshforge.plan.core.efficiency import ComputeCurve
+from meshforge.plan.core.hardware import Cluster, DeviceSpec, LinkSpec
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,18 @@ from typing import Any
 
 from meshforge.errors import ConfigError
 from meshforge.layout.stages import RankStages, pipeline_ranks
-from meshforge.plan.flops import GPTShape, gpt_param_count, microbatch_flops, rank_params
-from meshforge.plan.hardware import Cluster
-from meshforge.plan.layout import Layout, Training, check_layout
-from meshforge.plan.memory import (
+from meshforge.plan.core.flops import GPTShape, gpt_param_count, microbatch_flops, rank_params
+from meshforge.plan.core.hardware import Cluster
+from meshforge.plan.core.layout import Layout, Training, check_layout
+from meshforge.plan.core.memory import (
     FRAGMENTATION_MARGIN,
     comm_buffer_bytes,
     model_state_bytes,
     rank_activation_bytes,
     working_bytes,
 )
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.timing import Framework, StepTime, step_time
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.timing import Framework, StepTime, step_time
 
 Model = GPTShape | float  # a GPT shape, or a bare parameter count (model-state maths only)
 

@@ -380,7 +380,7 @@ _TITAN_H100 = (
     "power limit (not the 700 W H100 SXM 80GB: peak between SXM and NVL, per the source); "
     "RDMA backend 400 Gb/s per GPU (RoCE). TPS/GPU read at iteration 90. "
 )
-# Why the H100 rows are not fitted: their GPU is none of the catalogue's (plan/gpus.py).
+# Why the H100 rows are not fitted: their GPU is none of the catalogue's (plan/core/gpus.py).
 _TITAN_H100_EXCLUDED = (
     "the source's H100s are 'equipped with 96GB HBM2e with 2.4 TB/sec peak memory "
     "bandwidth' at 'the default 500W power limit', whose 'actual peak TFLOPs number is "

@@ -35,13 +35,14 @@ from typing import Any
 
 from meshforge.config import JobConfig, ParallelConfig, build_config
 from meshforge.errors import ConfigError
-from meshforge.plan.flops import shape_of
-from meshforge.plan.hardware import Cluster
-from meshforge.plan.layout import Training
-from meshforge.plan.predict import Prediction
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.search import LayoutChoice, best_layout
-from meshforge.plan.timing import HostCosts, host_step_time  # noqa: F401
+from meshforge.plan.core.cluster import build_cluster
+from meshforge.plan.core.flops import shape_of
+from meshforge.plan.core.hardware import Cluster
+from meshforge.plan.core.layout import Training
+from meshforge.plan.core.predict import Prediction
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.search import LayoutChoice, best_layout
+from meshforge.plan.core.timing import HostCosts, host_step_time  # noqa: F401
 
 # Assumed when this machine has no measured profile yet: the order of magnitude of one
 # core of a current x86 server with gloo over loopback (matmul rate of a mid-sized fp32
@@ -140,7 +141,7 @@ def threads_per_worker(cfg: JobConfig, nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
-# -- the trainer on a host without streams (CPU, gloo): plan/timing.py -------------------
+# -- the trainer on a host without streams (CPU, gloo): plan/core/timing.py -------------------
 
 ASSUMED_HOST_COSTS = HostCosts(3e9, 0.75e9)  # stated: a CPU AdamW on DTensors is ~4x slower
 
@@ -168,8 +169,6 @@ def launch_machine(cfg: JobConfig, world_size: int, nproc: int, nnodes: int = 1)
                 host = HostCosts.from_profile(profile)
         return PlanningMachine(profile.to_cluster(world_size), host, f"profile measured {when}")
     if device == "cuda":
-        from meshforge.plan.request import build_cluster
-
         cluster = build_cluster(world_size, "h100", gpus_per_node=max(1, nproc))
         return PlanningMachine(cluster, None, "assumed h100 (no measured profile yet)")
     return PlanningMachine(

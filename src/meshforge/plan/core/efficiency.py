@@ -14,14 +14,14 @@ Two kinds of kernel make up a training step, and they are limited by different t
   the MLP's first projection on one tensor-parallel rank, 2·b·s·h·(f/t).
 * **memory-bound kernels** (norms, activations, softmax and dropout of eager attention,
   residual adds, rotary embeddings, the cross-entropy, the optimizer) take the bytes
-  they move ÷ (bandwidth_fraction × the device's memory bandwidth); plan/work.py
+  they move ÷ (bandwidth_fraction × the device's memory bandwidth); plan/core/work.py
   counts the bytes.
 
-A *measured* machine (plan/profile.py) times a whole transformer layer and fits t0 so
+A *measured* machine (plan/core/profile.py) times a whole transformer layer and fits t0 so
 that the curve gives that time for the layer's Megatron-convention FLOPs: its curve has
 scope "all" (it already holds the memory-bound kernels, and no bytes are added). The
 GPU calibrations have scope "matmul". Their f_max and bandwidth fraction are fitted by
-least squares in log throughput to published runs on that GPU (plan/validation.py;
+least squares in log throughput to published runs on that GPU (plan/core/validation.py;
 docs/planner.md has the table, with each source held out in turn).
 """
 
@@ -61,14 +61,14 @@ class ComputeCurve:
 A100_ATTENTION_FRACTION = 0.6
 H100_ATTENTION_FRACTION = 0.34
 
-# -- the calibrations (fitted by plan/validation.py; a test re-runs each fit) -----------
+# -- the calibrations (fitted by plan/core/validation.py; a test re-runs each fit) -----------
 #
 # A100: Megatron-LM (Narayanan et al. 2021; Korthikanti et al. 2022), FSDP and LLM Foundry
 # runs on A100 80GB. H100: runs on H100 SXM. H200 has the H100's SMs and tensor cores
 # (the same GH100 die, the same 989 TFLOP/s dense bf16) and more, faster HBM (4.8 vs
 # 3.35 TB/s): its matmul constants are the H100's, and its memory-bound kernels run
 # faster through the datasheet bandwidth, at the H100's bandwidth fraction.
-# t0 is not fitted (plan/validation.py): every published run's matmuls are large enough
+# t0 is not fitted (plan/core/validation.py): every published run's matmuls are large enough
 # (W >= 1e11 FLOPs) that a fixed cost of tens of µs is below what the figures resolve,
 # so the GPU calibrations keep t0 = 0; a measured profile fits its own. The H100's
 # bandwidth fraction sits at its lower bound, 0.2: not a physical bandwidth, but what the

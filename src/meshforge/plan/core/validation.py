@@ -1,4 +1,4 @@
-"""The time model against independent published runs (plan/published.py): conversion,
+"""The time model against independent published runs (plan/core/published.py): conversion,
 fit, and leave-one-source-out error.
 
 Each published row becomes the planner's inputs (GPTShape, Layout, Training, Cluster)
@@ -32,7 +32,7 @@ Conversions a source needs, said once here:
 * torchtitan's selective activation checkpointing (the "op" policy: every other
   matmul and the pointwise kernels recomputed; the "layer" policy: every other block)
   recomputes about half a forward: it is predicted as the mean of `none` and `full`
-  (the same device the trainer's `selective` uses, plan/job.py);
+  (the same device the trainer's `selective` uses, plan/jobs/job.py);
 * Megatron-Core's --tp-comm-overlap (named in the row's notes) hides TP collectives
   under the GEMMs (timing.Framework.tp_comm_overlap), and its --overlap-param-gather
   the distributed optimizer's parameter gather under the next forward
@@ -65,14 +65,14 @@ import math
 from dataclasses import dataclass, replace
 
 from meshforge.errors import ConfigError
-from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling
-from meshforge.plan.efficiency import CALIBRATIONS, ComputeCurve
-from meshforge.plan.flops import GPTShape, megatron_full_recompute_flops, microbatch_flops
-from meshforge.plan.hardware import Cluster, gpu_spec, link_spec
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.predict import evaluate
-from meshforge.plan.published import PUBLISHED_RUNS, PublishedRun
-from meshforge.plan.timing import Framework, step_time
+from meshforge.plan.core.comm import NETWORK_SCALING, NetworkScaling
+from meshforge.plan.core.efficiency import CALIBRATIONS, ComputeCurve
+from meshforge.plan.core.flops import GPTShape, megatron_full_recompute_flops, microbatch_flops
+from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.predict import evaluate
+from meshforge.plan.core.published import PUBLISHED_RUNS, PublishedRun
+from meshforge.plan.core.timing import Framework, step_time
 
 BOUND = 0.20  # the goal: every held-out row within ±20% of its published throughput
 
@@ -261,7 +261,7 @@ def _refine(loss, point: list[float], steps: list[float], bounds, rounds: int = 
 # t0 is not fitted: every published run's matmuls are large (the MLP unit W of the
 # smallest, MPT-1B on A100 40GB, is 7e11 FLOPs, ~3 ms), where a fixed cost of tens of µs
 # is below what the published figures resolve; the calibrations keep t0 = 0 (a measured
-# profile fits its own, plan/profile.py).
+# profile fits its own, plan/core/profile.py).
 START_CURVE = ComputeCurve(0.7, 0.0, 0.7, scope="matmul")
 # f_max, bandwidth fraction: physical ranges (a fraction of a peak is <= 1)
 BOUNDS = ((0.3, 1.0), (0.2, 1.0))
@@ -425,12 +425,12 @@ def constants_markdown(constants: Constants) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m meshforge.plan.validation [--markdown]
+if __name__ == "__main__":  # python -m meshforge.plan.core.validation [--markdown]
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m meshforge.plan.validation",
-        description="The planner against published training runs (plan/published.py): "
+        prog="python -m meshforge.plan.core.validation",
+        description="The planner against published training runs (plan/core/published.py): "
         "the fitted constants, each row's error, and its error when its source is held "
         "out of the fit (docs/planner.md has the same tables).",
     )

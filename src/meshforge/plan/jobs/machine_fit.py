@@ -5,7 +5,7 @@ hands the raw figures here:
 
 compute       the model's forward + backward at the run's micro-batch, `seconds` for
               `flops` (Megatron convention). The fixed cost per unit of work t0 of the
-              planner's efficiency curve (plan/efficiency.py, with f_max = 1) is fitted
+              planner's efficiency curve (plan/core/efficiency.py, with f_max = 1) is fitted
               so that the curve gives exactly that time at this size:
                   t_measured = F/peak + (F/W)·t0
               (W the unit of work). Other micro-batch sizes and recomputation then
@@ -17,7 +17,7 @@ all-reduce    (bytes, seconds) points on the run's group: t = 2(n-1)·α + 2(n-1
               busbw, REFERENCES.md).
 
 `remember_profile` records the result in `$MESHFORGE_CACHE/machine_profiles.json`,
-where `parallel: auto` finds it at the next launch (plan/auto.py).
+where `parallel: auto` finds it at the next launch (plan/jobs/auto.py).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from meshforge.plan.auto import (
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.jobs.auto import (
     ASSUMED_HOST_COSTS,
     HostCosts,
     profile_cache_key,
     save_cached_profile,
 )
-from meshforge.plan.profile import MachineProfile
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class MeasuredProfile:
     profile: MachineProfile
     details: dict[str, Any] = field(default_factory=dict)
     runtime_bytes: float = 0.0  # CPU: process RSS before training beyond the parameters
-    host: HostCosts | None = None  # CPU: the optimizer rates of plan.auto's host model
+    host: HostCosts | None = None  # CPU: the optimizer rates of plan.jobs.auto's host model
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def measurement_record(m: MachineMeasurements, host: HostCosts) -> dict[str, Any
 
 
 def remember_profile(profile: MachineProfile, host: HostCosts, m: MachineMeasurements) -> None:
-    """Cache the profile for `parallel: auto` at launch (plan/auto.py reads it), keyed
+    """Cache the profile for `parallel: auto` at launch (plan/jobs/auto.py reads it), keyed
     by this machine, device, backend, world size, nodes and threads per worker."""
     world = m.world_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)

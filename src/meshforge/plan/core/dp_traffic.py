@@ -37,9 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshforge.layout.stages import pipeline_ranks
-from meshforge.plan.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
-from meshforge.plan.flops import GPTShape, rank_params
-from meshforge.plan.memory import dtype_bytes
+from meshforge.plan.core.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
+from meshforge.plan.core.flops import GPTShape, rank_params
+from meshforge.plan.core.memory import dtype_bytes
 
 DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP's default bucket_cap_mb
 GRAD_REDUCE_BYTES = 4.0  # fp32 gradient reduction, whatever the compute precision

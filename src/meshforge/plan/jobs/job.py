@@ -1,8 +1,8 @@
 """A job config seen by the planner (pure: no torch, no I/O).
 
 `predict_for_job` is what `report.json`'s `predicted` says: a job config mapped onto
-`plan.predict.predict_run`; on a CPU host with the trainer's own semantics for
-data-parallel traffic (`plan.auto.host_step_time`). The profile is usually the one
+`plan.core.predict.predict_run`; on a CPU host with the trainer's own semantics for
+data-parallel traffic (`plan.jobs.auto.host_step_time`). The profile is usually the one
 the run measured of its own machine (`observe.machine.measure_profile`).
 
 `plan_for_job` is what `meshforge plan --config` plans: the job's model, its training
@@ -17,14 +17,14 @@ from typing import Any
 
 from meshforge.config import JobConfig, ParallelConfig, check_comm
 from meshforge.errors import ConfigError
-from meshforge.plan.auto import HostCosts, host_step_time
-from meshforge.plan.dp_traffic import rank_models
-from meshforge.plan.flops import GPTShape, params_per_rank, shape_of
-from meshforge.plan.layout import Layout, Training
-from meshforge.plan.memory import model_state_bytes
-from meshforge.plan.predict import Prediction, predict_run
-from meshforge.plan.profile import MachineProfile
-from meshforge.plan.search import LayoutChoice
+from meshforge.plan.core.dp_traffic import rank_models
+from meshforge.plan.core.flops import GPTShape, params_per_rank, shape_of
+from meshforge.plan.core.layout import Layout, Training
+from meshforge.plan.core.memory import model_state_bytes
+from meshforge.plan.core.predict import Prediction, predict_run
+from meshforge.plan.core.profile import MachineProfile
+from meshforge.plan.core.search import LayoutChoice
+from meshforge.plan.core.timing import HostCosts, host_step_time
 
 
 def _collective_only(cfg: JobConfig) -> None:
@@ -51,7 +51,7 @@ def predict_for_job(
     """What the planner predicts for `cfg` at `world_size` ranks on `profile`.
 
     On a CPU host (`host` given, or a profile named cpu...) the data-parallel and
-    optimizer terms follow meshforge's trainer on gloo (`plan.auto.host_step_time`:
+    optimizer terms follow meshforge's trainer on gloo (`plan.jobs.auto.host_step_time`:
     no overlap of FSDP's collectives, per-unit latency, DTensor optimizer); on a GPU
     the planner's own time model. The trainer's `activation_checkpointing: selective`
     recomputes every other block in full, which is not Korthikanti's selective
@@ -122,7 +122,7 @@ def predict_for_job(
         "memory_total_bytes": planner_total + runtime_bytes,
         "step_time_s": step_s,
         "tokens_per_s": t.global_batch * shape.seq_len / step_s,
-        "time_model": "planner" if host is None else "planner + cpu host (plan.auto)",
+        "time_model": "planner" if host is None else "planner + cpu host (plan.jobs.auto)",
         "time_breakdown_s": breakdown,
         "layout": {
             **layout.to_dict(),
@@ -206,7 +206,7 @@ class JobPlan:
             # block recomputed in full): a search offers only what the trainer does
             return "the trainer's activation checkpointing is none, full or every other block"
         if self.cfg.parallel == "auto" and (lay.virtual_stages > 1 or lay.sequence_parallel):
-            return "parallel: auto chooses 1F1B without sequence parallelism"  # plan/auto.py
+            return "parallel: auto chooses 1F1B without sequence parallelism"  # plan/jobs/auto.py
         try:
             self._check(lay, train.micro_batch)
         except ConfigError as exc:

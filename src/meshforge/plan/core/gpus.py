@@ -39,7 +39,7 @@ class Gpu:
     memory_gb: float
     memory_bandwidth_tbs: float
     architecture: str  # volta | turing | ampere | ada | hopper
-    intra_link: str  # link preset between the GPUs of one node (plan/hardware.py)
+    intra_link: str  # link preset between the GPUs of one node (plan/core/hardware.py)
     source: str  # the datasheet the figures come from
 
     def peak_tflops(self, dtype: str) -> float | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshforge.errors import ConfigError
 from meshforge.layout import LayoutRequest, ModelShape, Names, check, first_problem
-from meshforge.plan.flops import GPTShape
+from meshforge.plan.core.flops import GPTShape
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
