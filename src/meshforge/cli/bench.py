@@ -30,7 +30,7 @@ bench_app = typer.Typer(
     help="Benchmarks: collective bus bandwidth (comm), storage read throughput (io).",
     no_args_is_help=True,
 )
-app.add_typer(bench_app, name="bench")
+app.add_typer(bench_app, name="bench", rich_help_panel="Cluster")
 
 _PROG = "meshforge bench comm"
 

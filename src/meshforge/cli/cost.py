@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from meshforge.cost.tco import Tco
 
 
-@app.command("cost")
+@app.command("cost", rich_help_panel="Plan")
 def cost_command(
     cluster_file: Annotated[Path, typer.Argument(help="Cluster file (YAML), see examples/.")],
     run: Annotated[

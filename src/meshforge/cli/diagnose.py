@@ -89,7 +89,7 @@ def format_diagnosis(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@app.command("diagnose")
+@app.command("diagnose", rich_help_panel="Inspect")
 def diagnose(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the diagnosis as JSON.")] = False,

@@ -16,7 +16,7 @@ from meshforge.train.run_export import FORMATS, export_run
 Format = Enum("Format", {name: name for name in FORMATS}, type=str)
 
 
-@app.command("export")
+@app.command("export", rich_help_panel="Inspect")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
     fmt: Annotated[

@@ -102,7 +102,7 @@ SequenceParallel = Annotated[
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")]
 
 
-@app.command("plan")
+@app.command("plan", rich_help_panel="Plan")
 def plan_command(
     config: Annotated[
         Path | None,

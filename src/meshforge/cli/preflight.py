@@ -276,6 +276,7 @@ def _render(doc: dict[str, Any], run_dir: Path, as_json: bool) -> None:
 
 @app.command(
     "preflight",
+    rich_help_panel="Cluster",
     context_settings={
         "allow_extra_args": True,
         "ignore_unknown_options": True,

@@ -12,7 +12,7 @@ import typer
 from meshforge.cli.app import app
 
 
-@app.command("report")
+@app.command("report", rich_help_panel="Inspect")
 def report_command(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
     run_dir_b: Annotated[

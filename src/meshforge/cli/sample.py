@@ -28,7 +28,7 @@ from meshforge.train.saved_run import (
 __all__ = ["load_model", "run_tokenizer", "sample"]
 
 
-@app.command("sample")
+@app.command("sample", rich_help_panel="Inspect")
 def sample(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
     prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],

@@ -10,7 +10,7 @@ import typer
 from meshforge.cli.app import app
 
 
-@app.command("scale")
+@app.command("scale", rich_help_panel="Run")
 def scale(
     config: Annotated[Path, typer.Argument(help="Job config (YAML).")],
     nproc: Annotated[

@@ -35,7 +35,7 @@ submit_app = typer.Typer(
     help="Send a job to a scheduler: slurm (sbatch), mpi (mpirun) or k8s (Kubeflow PyTorchJob).",
     no_args_is_help=True,
 )
-app.add_typer(submit_app, name="submit")
+app.add_typer(submit_app, name="submit", rich_help_panel="Cluster")
 
 # Scheduler commands register themselves on submit_app when imported.
 from meshforge.cli import submit_k8s as _k8s  # noqa: E402,F401

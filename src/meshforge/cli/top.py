@@ -14,7 +14,7 @@ import typer
 from meshforge.cli.app import app
 
 
-@app.command("top")
+@app.command("top", rich_help_panel="Inspect")
 def top(
     run_dir: Annotated[Path, typer.Argument(help="Run directory of a `meshforge train` run.")],
     interval: Annotated[

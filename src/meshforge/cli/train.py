@@ -19,6 +19,7 @@ from meshforge.cli.app import app
 
 @app.command(
     "train",
+    rich_help_panel="Run",
     context_settings={
         "allow_extra_args": True,
         "ignore_unknown_options": True,
@@ -41,7 +42,7 @@ def train(ctx: typer.Context) -> None:
     os._exit(code)
 
 
-@app.command("worker")
+@app.command("worker", rich_help_panel="Run")
 def worker(
     config: Annotated[Path, typer.Argument(help="Resolved job config (YAML).")],
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory.")] = Path("runs/job"),
