@@ -189,11 +189,14 @@ def test_train_help_lists_torchrun_flags():
 
 def _agree(run_dir: str) -> tuple[float, str, bool]:
     from meshforge.config import build_config
+    from meshforge.plan.jobs.auto import resolve_open_decisions
     from meshforge.runtime.agree import agree_on_config
 
     rank = dist.get_rank()
     raw = {**TINY_JOB, "train": {**TINY_JOB["train"], "lr": 0.001 * (rank + 1)}}
-    cfg = agree_on_config(build_config(raw), rank, dist.get_world_size(), 0, Path(run_dir))
+    cfg = agree_on_config(
+        build_config(raw), rank, dist.get_world_size(), 0, Path(run_dir), resolve_open_decisions
+    )
     written = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     return cfg.train.lr, str(written["train"]["lr"]), cfg.parallel == "auto"
 
@@ -206,10 +209,13 @@ def test_every_rank_trains_rank_zeros_config(gloo, tmp_path):
 
 def _agree_auto(run_dir: str) -> dict:
     from meshforge.config import build_config
+    from meshforge.plan.jobs.auto import resolve_open_decisions
     from meshforge.runtime.agree import agree_on_config
 
     raw = {**TINY_JOB, "parallel": "auto"}
-    cfg = agree_on_config(build_config(raw), dist.get_rank(), 2, 0, Path(run_dir))
+    cfg = agree_on_config(
+        build_config(raw), dist.get_rank(), 2, 0, Path(run_dir), resolve_open_decisions
+    )
     return cfg.parallel.model_dump()
 
 

@@ -32,7 +32,8 @@ def test_planner_modules_do_not_import_torch():
     # plan/ and cost/ are pure maths (DESIGN principle 6): checked in a fresh interpreter.
     code = (
         "import sys, meshforge.plan.core.search, meshforge.plan.jobs.request, "
-        "meshforge.plan.core.validation, meshforge.plan.jobs.job, meshforge.plan.jobs.machine_fit, meshforge.plan.jobs.auto, "
+        "meshforge.plan.core.validation, meshforge.plan.jobs.job, "
+        "meshforge.plan.jobs.machine_fit, meshforge.plan.jobs.auto, "
         "meshforge.layout, meshforge.cost.run, meshforge.cost.cluster; "
         "print('torch' in sys.modules)"
     )

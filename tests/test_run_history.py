@@ -2,10 +2,10 @@
 the report covers every segment of a run, extending and starting over are explicit, and
 a step trained twice has one row per segment, the latest of which every reader takes.
 
-The learning-rate rule under test (docs/checkpoints.md, "The learning rate across segments"): the schedule's
-horizon is fixed when a run starts (its first train.steps); a later train.steps, larger
-or smaller, keeps it, and steps past it train at the schedule's last step's learning
-rate, so it never jumps."""
+The learning-rate rule under test (docs/checkpoints.md, "The learning rate across
+segments"): the schedule's horizon is fixed when a run starts (its first train.steps);
+a later train.steps, larger or smaller, keeps it, and steps past it train at the
+schedule's last step's learning rate, so it never jumps."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +41,19 @@ def differing_keys(mine: str, theirs: str) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def resolve_open_decisions(cfg: JobConfig, world: int) -> JobConfig:
-    """What is left to decide once the world is known: `parallel: auto`."""
-    if cfg.parallel != "auto":
-        return cfg
-    from meshforge.plan.jobs.auto import resolve_parallel_auto
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cfg, line = resolve_parallel_auto(cfg, world, local, max(1, world // max(1, local)))
-    if line:
-        log.info("%s", line)
-        print(line, flush=True)
-    return cfg
-
-
-def agree_on_config(cfg: JobConfig, rank: int, world: int, local_rank: int, run_dir: Path):
-    """Every rank returns rank 0's config; RUN_DIR/config.yaml holds it afterwards."""
+def agree_on_config(
+    cfg: JobConfig,
+    rank: int,
+    world: int,
+    local_rank: int,
+    run_dir: Path,
+    resolve: Callable[[JobConfig, int], JobConfig],
+):
+    """Every rank returns rank 0's config; RUN_DIR/config.yaml holds it afterwards.
+    `resolve(cfg, world)` decides on rank 0 what is still open once the world is known
+    (plan.jobs.auto.resolve_open_decisions: `parallel: auto`)."""
     if rank == 0:
-        cfg = resolve_open_decisions(cfg, world)
+        cfg = resolve(cfg, world)
     mine = dump_config(cfg)
     box = [mine if rank == 0 else None]
     if world > 1:

@@ -74,6 +74,7 @@ class _Tee:
 @record
 def run_worker(config_path: Path, run_dir: Path) -> None:
     from meshforge.observe.flight import FlightRecorder
+    from meshforge.plan.jobs.auto import resolve_open_decisions
     from meshforge.runtime.agree import agree_on_config
     from meshforge.runtime.dist import distributed
     from meshforge.train.trainer import Trainer
@@ -100,7 +101,9 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
             r.device, r.backend, r.timeout_s, r.threads_per_worker, exits_at_once=True
         ) as rt:
             log.info("process group up: backend=%s device=%s", rt.backend, rt.device)
-            cfg = agree_on_config(cfg, rt.rank, rt.world_size, rt.env.local_rank, run_dir)
+            cfg = agree_on_config(
+                cfg, rt.rank, rt.world_size, rt.env.local_rank, run_dir, resolve_open_decisions
+            )
             o = cfg.observe
             flight = FlightRecorder(
                 run_dir, rt.rank, rt.world_size, o.flight_every_s, rt.device, o.flight

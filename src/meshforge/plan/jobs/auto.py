@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -43,6 +44,8 @@ from meshforge.plan.core.predict import Prediction
 from meshforge.plan.core.profile import MachineProfile
 from meshforge.plan.core.search import LayoutChoice, best_layout
 from meshforge.plan.core.timing import HostCosts, host_step_time  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 # Assumed when this machine has no measured profile yet: the order of magnitude of one
 # core of a current x86 server with gloo over loopback (matmul rate of a mid-sized fp32
@@ -307,3 +310,15 @@ def resolve_parallel_auto(
         f"(predicted {1e3 * choice.step_time_s:.1f} ms/step{fits}; {machine.source})"
     )
     return resolved, line
+
+
+def resolve_open_decisions(cfg: JobConfig, world: int) -> JobConfig:
+    """What is left to decide once the world is known: `parallel: auto`."""
+    if cfg.parallel != "auto":
+        return cfg
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cfg, line = resolve_parallel_auto(cfg, world, local, max(1, world // max(1, local)))
+    if line:
+        log.info("%s", line)
+        print(line, flush=True)
+    return cfg
