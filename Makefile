@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshforge-installed
 
-.PHONY: setup demo test lint format bench clean image
+.PHONY: setup demo test test-fast lint format bench clean image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+# The unit tier only: no test in it starts a process (tests/unit/conftest.py refuses one).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples scripts
