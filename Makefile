@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshforge-installed
 DOCS_STAMP := $(VENV)/.meshforge-docs-installed
 
-.PHONY: setup demo test lint format bench clean image docs
+.PHONY: setup demo test test-fast lint format bench clean image docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+# The unit tier only: no test in it starts a process (tests/unit/conftest.py refuses one).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples scripts

@@ -3,7 +3,7 @@
 Multi-process tests that do not need the CLI run a function on every rank of an
 already-initialised gloo group instead of launching `meshforge train`:
 
-    # tests/test_something.py
+    # tests/integration/test_something.py
     import torch
     import torch.distributed as dist
 

@@ -2,8 +2,8 @@
 and the one assertion every refusal of bad input must pass.
 
 Test modules import from here (`from helpers import meshforge`); tests/conftest.py holds
-only fixtures. tests/ is on sys.path because pytest imports tests/conftest.py in its default
-("prepend") import mode, which puts the conftest's folder first on sys.path.
+only fixtures. tests/ is on sys.path (pyproject: pythonpath = ["tests"]; pytest also imports
+tests/conftest.py in its "prepend" mode), so tests/unit, integration and cluster all see it.
 """
 
 from __future__ import annotations

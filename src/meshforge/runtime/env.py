@@ -7,7 +7,7 @@ and a plain single process.
 A Slurm task is one that `srun` started: srun sets SLURM_STEP_ID (and its older
 spelling SLURM_STEPID) in every task. The shell of an `sbatch` batch script carries
 SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id (as a real Slurm 22.05
-sets them; tests/test_fabric_launch.py), and `salloc`'s shell has neither: it is no task
+sets them; tests/integration/test_fabric_launch.py), and `salloc`'s shell has neither: it is no task
 of a step, no other rank will ever join it, so both count as a plain single process
 (which then starts its own workers) instead of rank 0 of SLURM_NTASKS waiting forever."""
 

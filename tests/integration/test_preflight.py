@@ -16,7 +16,7 @@ from meshforge.health import preflight, probes
 from meshforge.health.preflight import FAIL, PASS, SKIP, WARN, evaluate
 from meshforge.health.probes import ToolOutput
 
-SAMPLES = Path(__file__).parent / "data" / "preflight"
+SAMPLES = Path(__file__).parents[1] / "data" / "preflight"
 DEVINFO_FAILED = ToolOutput(255, "", (SAMPLES / "ibv_devinfo-no-devices.txt").read_text())
 DEVINFO_ONE_CA = ToolOutput(0, (SAMPLES / "ibv_devinfo-one-ca-two-ports.txt").read_text())
 IBSTAT_ONE_CA = ToolOutput(0, (SAMPLES / "ibstat-one-ca-two-ports.txt").read_text())

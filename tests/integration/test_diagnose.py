@@ -1,5 +1,5 @@
 """`meshforge diagnose`: verdicts from run directories written by hand, shaped like the
-ones real faults leave (tests/test_faults.py makes the real ones)."""
+ones real faults leave (tests/integration/test_faults.py makes the real ones)."""
 
 from __future__ import annotations
 

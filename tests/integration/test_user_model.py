@@ -12,7 +12,7 @@ import yaml
 from helpers import assert_one_line_error
 from layouts import job, train_layout
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 STEPS = 12
 FACTORY = {"name": "user_models:tiny_lm", "kwargs": {"width": 32, "layers": 4}, "seq_len": 32}
 

@@ -11,7 +11,7 @@ from meshforge.plan.core.efficiency import CALIBRATIONS, curve_for
 from meshforge.plan.core.published import PUBLISHED_RUNS
 from meshforge.plan.core.validation import BOUND, fit, fitted, markdown, validation_table
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 USABLE = tuple(r for r in PUBLISHED_RUNS if fitted(r))
 
 

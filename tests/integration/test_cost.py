@@ -19,7 +19,7 @@ from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
 from meshforge.plan.core.layout import Layout, Training
 from meshforge.plan.core.predict import evaluate
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
 
 # One node of 8 GPUs, numbers chosen so that everything can be checked by hand.
 HAND = {
