@@ -12,7 +12,7 @@ comm         ring collective costs and nccl-tests bus bandwidth
 timing       the step-time model
 predict      one layout evaluated (`evaluate`), and the trainer's `predict_run`
 job          a job config's prediction (`predict_for_job`: report.json's `predicted`)
-machine_fit  a measured machine (observe.machine) fitted into a profile, and cached
+machine_fit  a measured machine (train.calibration) fitted into a profile, and cached
 search       every valid layout, best first
 validation   the time model against published runs: fit and leave-one-source-out
 request      command-line inputs to model, cluster and plan (shared by plan and cost)
