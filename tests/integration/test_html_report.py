@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, Job, assert_one_line_error, meshforge
-from meshforge.observe.html_report import PLOT_IDS, build_html, write_html
-from meshforge.observe.svg import MAX_POINTS, _downsample
+from meshforge.report.html import PLOT_IDS, build_html, write_html
+from meshforge.report.svg import MAX_POINTS, _downsample
 
 CHROMIUM = Path("/usr/bin/chromium")
 needs_chromium = pytest.mark.skipif(

@@ -2,7 +2,7 @@
 two layers per stage (tp 1, or tensor-parallel stages of a pipeline), the model under
 its tensor parallelism alone, and (where the step could not be timed) the data-parallel
 wrapping on one and two of the job's blocks (DDP, ZeroRedundancyOptimizer, FSDP2 units),
-on the live gloo group (observe/machine.py). These figures carry the CPU host model of
+on the live gloo group (train/calibration.py). These figures carry the CPU host model of
 `predicted` (plan/core/timing.py); how close it comes is a speed figure, reported by
 benchmarks/planner_accuracy.py."""
 
@@ -20,8 +20,8 @@ MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
 def _wrapped(zero: int, micro: int) -> dict:
     import torch
 
-    from meshforge.observe.machine import measure_wrapped_blocks
     from meshforge.parallel.data_parallel import build_mesh
+    from meshforge.train.calibration import measure_wrapped_blocks
 
     cfg = build_config({"model": MODEL, "parallel": {"zero": zero},
                         "train": {"micro_batch": micro, "global_batch": 8}})  # fmt: skip
@@ -50,7 +50,7 @@ def _tensor_parallel() -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshforge.observe.machine import measure_tensor_parallel
+    from meshforge.train.calibration import measure_tensor_parallel
 
     cfg = build_config({"model": MODEL, "parallel": {"tp": 2},
                         "train": {"micro_batch": 2, "global_batch": 2}})  # fmt: skip
@@ -70,10 +70,10 @@ def test_the_model_is_timed_under_its_tensor_parallelism(gloo):
 def _steps(parallel: dict, recompute: str, world: int = 2) -> tuple[dict, list[str]]:
     import torch
 
-    from meshforge.observe.machine import measure_steps
     from meshforge.parallel.mesh import build_mesh
     from meshforge.plan.core.timing import HostCosts, TimedSteps
     from meshforge.plan.jobs.job import host_warnings
+    from meshforge.train.calibration import measure_steps
 
     cfg = build_config({"model": {**MODEL, "tie_embeddings": False},
                         "parallel": parallel,

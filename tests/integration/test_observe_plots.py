@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_python
-from meshforge.observe.plots import plot_report
+from meshforge.report.plots import plot_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -224,7 +224,7 @@ def _host_times(layout: Layout, host: HostCosts, micro: int = 8) -> dict[str, fl
 
 def test_the_wrapping_timed_on_the_runs_blocks_is_used_for_its_own_layout_only():
     """A run times the trainer's data-parallel wrapping on one and two of its blocks
-    (observe.machine.measure_wrapped_blocks); the host model takes those figures for
+    (train.calibration.measure_wrapped_blocks); the host model takes those figures for
     that layout (ZeRO stage, dp, micro-batches) and the traffic model for any other."""
     blocks = 198_272.0
     fsdp = WrappedBlocks(3, 2, 1, blocks, one_block_s=0.010, two_blocks_s=0.030)
@@ -261,7 +261,7 @@ def test_the_wrapping_timed_on_the_runs_blocks_is_used_for_its_own_layout_only()
 
 def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
     """Blocks and ends timed through a step under the job's tp and its data-parallel
-    wrapping (observe.machine.measure_tensor_parallel): L blocks and the ends, their
+    wrapping (train.calibration.measure_tensor_parallel): L blocks and the ends, their
     collectives included; only for that layout and micro-batching."""
     tp = TensorParallelModels(2, 8, one_block_s=0.012, two_blocks_s=0.020, microbatches=2)
     out = _host_times(Layout(dp=1, tp=2), HostCosts(2e9, 2e8, tensor_parallel=tp))
@@ -285,7 +285,7 @@ def test_a_model_timed_under_tensor_parallelism_sets_the_compute_of_that_tp():
 
 def test_a_timed_pipeline_is_the_step_of_its_own_layout_only():
     """A run with pp > 1 (tp 1) times a whole optimizer step of its own pipeline with one
-    and two layers per stage (observe.machine.measure_steps); the host model's step
+    and two layers per stage (train.calibration.measure_steps); the host model's step
     for that layout is those figures at the layers its slowest stage holds, in place of
     the planner's compute, sends, bubble and optimizer; any other layout keeps them."""
     pipe = TimedSteps(2, 1, "1f1b", 1, 0, 4, 4, one_layer_s=0.020, two_layers_s=0.035)

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from helpers import REPO, Job, assert_one_line_error, meshforge
-from meshforge.observe.top import read_run, render_frame, tail_rows
+from meshforge.observe.metrics import tail_rows
+from meshforge.report.top import read_run, render_frame
 from meshforge.runtime.runlock import hold_run_dir, is_held
 
 CLEAR = "\x1b[H\x1b[2J"

@@ -1,5 +1,5 @@
 """`meshforge report RUN_DIR [RUN_DIR_B]`: the run's self-contained HTML page, or two runs
-overlaid; prints where it wrote it. The page is observe/html_report.py's."""
+overlaid; prints where it wrote it. The page is report/html.py's."""
 
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ def report_command(
     """Write the run's report.html: headline figures, layout, loss, throughput and MFU,
     memory per rank, time breakdown, network, step time per rank, and its config. With two
     run directories, one page with both runs overlaid and the ratio B/A."""
-    from meshforge.observe.html_report import write_html
+    from meshforge.report.html import write_html
 
     runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
     print(write_html(runs, out, cluster))
     if png:
         from meshforge.observe.metrics import read_jsonl
-        from meshforge.observe.plots import plot_report
+        from meshforge.report.plots import plot_report
 
         for run in runs:
             rows, reason = [], "its metrics.jsonl has no rows"

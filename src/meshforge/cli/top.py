@@ -1,4 +1,4 @@
-"""`meshforge top RUN_DIR`: a live view of a run from its run directory (observe/top.py).
+"""`meshforge top RUN_DIR`: a live view of a run from its run directory (report/top.py).
 
 It redraws every `--interval` seconds until the run ends, then leaves the last frame;
 `--once` draws one frame. Nothing connects to the job, so it works from any machine
@@ -25,6 +25,6 @@ def top(
     """A live terminal view of a run: status, step and ETA, loss, tokens/s and MFU; each
     rank's step, phase, step time, memory and record age (stale ones flagged); each
     host's CPU, memory, network and GPUs. Exits when the run ends, or on Ctrl-C."""
-    from meshforge.observe.top import check_run_dir, watch
+    from meshforge.report.top import check_run_dir, watch
 
     raise typer.Exit(watch(check_run_dir(run_dir), interval_s=interval, once=once))

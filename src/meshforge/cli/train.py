@@ -16,6 +16,8 @@ import typer
 
 from meshforge.cli.app import app
 
+log = logging.getLogger(__name__)
+
 
 @app.command(
     "train",
@@ -50,7 +52,7 @@ def worker(
     """One training process; rank and world size come from torchrun, Slurm or MPI."""
     from meshforge.train.worker import run_worker
 
-    run_worker(config, run_dir)
+    run_worker(config, run_dir, after_report=_write_page)
     # A finished rank ends here, without the interpreter's teardown: a gloo work thread
     # still dropping its last reference then would abort the process ("terminate called
     # without an active exception"; runtime/dist.py leaves the group in the order that
@@ -59,3 +61,16 @@ def worker(
     sys.stderr.flush()
     logging.shutdown()
     os._exit(0)
+
+
+def _write_page(run_dir: Path) -> None:
+    """report.html beside report.json as the run ends (rank 0): its plots are SVG
+    (milliseconds); report.png (matplotlib: about a second) is drawn on demand by
+    `meshforge report RUN_DIR --png`, off the run's exit."""
+    try:
+        # lazy: keeps the viewer's imports off the worker's start (it draws at the end)
+        from meshforge.report.html import write_html
+
+        write_html([run_dir])
+    except Exception as exc:  # the page too: `meshforge report RUN_DIR` draws it again
+        log.warning("could not write report.html: %s", exc)

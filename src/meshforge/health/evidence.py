@@ -30,6 +30,7 @@ import yaml
 
 from meshforge.errors import MeshforgeError
 from meshforge.launch.local import recorded_failures
+from meshforge.observe.metrics import tail_rows
 
 _OOM_TEXT = ("outofmemoryerror", "out of memory", "cannot allocate memory", "memoryerror")
 _TIMEOUT_TEXT = ("timed out", "timeout", "deadline exceeded")
@@ -245,7 +246,6 @@ def collect(
     missing = [k for k in range(world) if k not in ranks]
     ev = Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
     if live and agent_failures is None:  # not the launcher (which holds the directory)
-        from meshforge.observe.top import tail_rows
         from meshforge.runtime.runlock import is_held
 
         ev.held = is_held(run_dir)

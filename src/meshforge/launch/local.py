@@ -301,7 +301,7 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
 
     launch = parse_launch_args(argv)
     a = launch.args
-    if a.recalibrate:  # the workers inherit it (observe/machine_cache.py)
+    if a.recalibrate:  # the workers inherit it (train/calibration_cache.py)
         os.environ["MESHFORGE_RECALIBRATE"] = "1"
     cfg = load_config(a.config, a.overrides)
     check_gpu_count(launch.nproc_per_node, cfg.runtime.device, a.oversubscribe)

@@ -3,7 +3,8 @@
 Each record is written as one line and flushed at once, so a run that dies
 loses at most the line being written. ``read_jsonl`` ignores such a truncated
 last line; ``JsonlSink`` drops it before appending, so a resumed run never
-glues its first record onto a broken one.
+glues its first record onto a broken one. ``tail_rows`` reads only the end of a
+growing file (a live run's latest steps, for `meshforge top` and `diagnose`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,38 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             )
         records.append(record)
     return records
+
+
+TAIL_BYTES = 64 * 1024
+_MAX_TAIL_BYTES = 8 * 1024 * 1024  # a row wider than this is not waited for
+
+
+def tail_rows(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+    """The JSON objects on the complete lines of the last `max_bytes` of a JSON-lines file,
+    in order. A line cut by the window or by a writer mid-line is skipped; the window
+    doubles until it holds a whole row (up to 8 MiB)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            while True:
+                start = max(0, size - max_bytes)
+                f.seek(start)
+                lines = f.read(size - start).split(b"\n")
+                if start > 0:
+                    lines = lines[1:]  # begins mid-line
+                rows = []
+                for line in lines:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(row, dict):
+                        rows.append(row)
+                if rows or start == 0 or max_bytes >= _MAX_TAIL_BYTES:
+                    return rows
+                max_bytes *= 2
+    except OSError:
+        return []
 
 
 def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -197,7 +197,7 @@ def wrap_data_parallel(
     """`modules` wrapped for data parallelism as the trainer wraps them (`wrapper`:
     "ddp", "fsdp", "replicate" or "none"; parallel.comm's settings): FSDP units are
     sharded before `materialise` (if given) runs on each module, DDP wraps after it.
-    observe/machine.py times a few of the job's blocks through this same function."""
+    train/calibration.py times a few of the job's blocks through this same function."""
     p = cfg._parallel()
     if wrapper in ("fsdp", "replicate"):
         mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)

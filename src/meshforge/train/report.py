@@ -1,4 +1,4 @@
-"""report.json and report.png of a run (schema in DESIGN.md).
+"""report.json of a run (schema in DESIGN.md); its page, report.html, is report/html.py's.
 
 The report covers the whole run, every segment of it (train/segments.py): the first
 loss is the run's first step's, rates, step time and the time breakdown are medians
@@ -313,14 +313,6 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     tmp = run_dir / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, run_dir / "report.json")
-    # report.html carries the plots as SVG (milliseconds); report.png (matplotlib: about a
-    # second) is drawn on demand by `meshforge report RUN_DIR --png`, off the run's exit
-    try:
-        from meshforge.observe.html_report import write_html
-
-        write_html([run_dir])
-    except Exception as exc:  # the page too: `meshforge report RUN_DIR` draws it again
-        log.warning("could not write report.html: %s", exc)
 
 
 def write_failure_report(run_dir: Path, failure: dict[str, Any]) -> None:

@@ -35,7 +35,6 @@ from meshforge.observe import comm_bytes
 from meshforge.observe.comm_time import measure_tp_comm
 from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.flight import FlightRecorder
-from meshforge.observe.machine import measure_profile
 from meshforge.observe.memhealth import cuda_memory_stats, memory_advice
 from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
 from meshforge.observe.metrics import JsonlSink, read_jsonl
@@ -57,6 +56,7 @@ from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime
 from meshforge.train import faults
+from meshforge.train.calibration import measure_profile
 from meshforge.train.checkpoint import Checkpointer
 from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report

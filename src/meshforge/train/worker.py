@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -72,7 +73,13 @@ class _Tee:
 
 
 @record
-def run_worker(config_path: Path, run_dir: Path) -> None:
+def run_worker(
+    config_path: Path, run_dir: Path, after_report: Callable[[Path], None] | None = None
+) -> None:
+    """Train this process's rank of the job in `run_dir`. `after_report` is called on
+    global rank 0 with the run directory once report.json is written, before the rank
+    leaves its process group: the command hands the run's page (report.html) in here,
+    since the viewers sit above train/."""
     from meshforge.observe.flight import FlightRecorder
     from meshforge.plan.jobs.auto import resolve_open_decisions
     from meshforge.runtime.agree import agree_on_config
@@ -110,6 +117,8 @@ def run_worker(config_path: Path, run_dir: Path) -> None:
             ).start()
             try:
                 report = Trainer(cfg, run_dir, rt, flight).fit()
+                if report and after_report is not None:
+                    after_report(run_dir)
             except BaseException as exc:
                 flight.fail(exc)
                 record_failure(run_dir, env.rank, exc)

@@ -343,7 +343,7 @@ def _optimizer_seconds(params: float, layout: Layout, training: Training, device
 #
 # The traffic model leaves out the wrappers' own work on a CPU (DDP's and FSDP2's hooks,
 # copies in and out of flat buffers, DTensor dispatch), which on a small model costs as
-# much as the collectives. So a run times its own layout at its start (observe/machine.py)
+# much as the collectives. So a run times its own layout at its start (train/calibration.py)
 # and the host model takes those figures where they apply: `WrappedBlocks` (the
 # data-parallel wrapping on one and two of the job's blocks, for the same ZeRO stage, dp
 # and micro-batches per step) and `TensorParallelModels` (the model under the same tp).
@@ -356,7 +356,7 @@ class WrappedBlocks:
     """One and two of the job's blocks wrapped as the trainer wraps them (DDP for ZeRO
     0/1, FSDP2 units for ZeRO 2/3) on the run's data-parallel group, timed through one
     step of `microbatches` forward+backward passes (gradient sync on the last only):
-    seconds beyond the same passes unwrapped (observe/machine.py)."""
+    seconds beyond the same passes unwrapped (train/calibration.py)."""
 
     zero: int
     dp: int
@@ -385,7 +385,7 @@ class TensorParallelModels:
     """One step (`microbatches` forward+backward passes of `micro_batch` sequences)
     through the job's model cut to one and to two blocks, sharded by its tensor-parallel
     plan over `tp` ranks and wrapped for data parallelism over `dp` as the trainer wraps
-    it (observe/machine.py): the difference is a block's time under tensor parallelism
+    it (train/calibration.py): the difference is a block's time under tensor parallelism
     (its share of the matmuls, its collectives, its data-parallel traffic and DTensor's
     dispatch on a CPU), the rest the embeddings, head and loss."""
 
@@ -429,7 +429,7 @@ class TimedSteps:
     parallel stages) as the trainer runs it (its model parts with the job's
     recomputation and data-parallel wrapping, its accumulation or pipeline schedule, the
     gradient norm, clipping and AdamW), through the model cut to one and to two layers
-    per stage (observe/machine.py; a layout without a pipeline has one stage): the
+    per stage (train/calibration.py; a layout without a pipeline has one stage): the
     difference is a layer per stage, its collectives, sends, bubble and optimizer share
     included; the rest the embedding, head, loss and the step's fixed cost."""
 
@@ -461,7 +461,7 @@ class TimedSteps:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """What a CPU host measures beyond the MachineProfile (observe.machine)."""
+    """What a CPU host measures beyond the MachineProfile (train.calibration)."""
 
     optimizer_bytes_per_s: float  # AdamW + clipping on plain tensors, 32 B per parameter
     sharded_optimizer_bytes_per_s: float  # the same on FSDP2 DTensor shards

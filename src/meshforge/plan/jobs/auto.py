@@ -14,7 +14,7 @@ Which machine the planner assumes:
 
 * a *measured* profile, if a run on this machine with the same device, backend,
   world size and threads per worker measured one (every `meshforge train` run
-  measures its machine, `observe.machine`, and caches the result in
+  measures its machine, `train.calibration`, and caches the result in
   `$MESHFORGE_CACHE/machine_profiles.json`, default `~/.cache/meshforge/`);
 * otherwise an *assumed* profile: on a CPU, the figures of ASSUMED_CPU_PROFILE (said
   so in the printed line); on a GPU, an H100 node from the catalogue.
@@ -63,7 +63,7 @@ ASSUMED_CPU_PROFILE = MachineProfile(
 PROFILE_CACHE_FILE = "machine_profiles.json"
 
 
-# -- the measured-profile cache (written by observe.machine, read here) -------------------
+# -- the measured-profile cache (written by train.calibration, read here) ---------------
 
 
 def cache_dir() -> Path:

@@ -3,7 +3,7 @@
 `predict_for_job` is what `report.json`'s `predicted` says: a job config mapped onto
 `plan.core.predict.predict_run`; on a CPU host with the trainer's own semantics for
 data-parallel traffic (`plan.jobs.auto.host_step_time`). The profile is usually the one
-the run measured of its own machine (`observe.machine.measure_profile`).
+the run measured of its own machine (`train.calibration.measure_profile`).
 
 `plan_for_job` is what `meshforge plan --config` plans: the job's model, its training
 and the layout fields it gives; the fields it leaves out (or sets to `auto`) are

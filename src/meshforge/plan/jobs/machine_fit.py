@@ -1,6 +1,6 @@
-"""A measured machine as a profile (pure: no torch): the fits behind `observe.machine`.
+"""A measured machine as a profile (pure: no torch): the fits behind `train.calibration`.
 
-`observe.machine.measure_profile` times this machine under a run's own conditions and
+`train.calibration.measure_profile` times this machine under a run's own conditions and
 hands the raw figures here:
 
 compute       the model's forward + backward at the run's micro-batch, `seconds` for
@@ -64,7 +64,7 @@ class ComputeAtSize:
 
 @dataclass(frozen=True)
 class MachineMeasurements:
-    """What `observe.machine` measured, agreed by all ranks (the slowest figures)."""
+    """What `train.calibration` measured, agreed by all ranks (the slowest figures)."""
 
     device_type: str  # "cpu" or "cuda"
     backend: str  # the process group's ("gloo", "nccl"; "none" without one)

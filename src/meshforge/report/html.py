@@ -10,7 +10,7 @@ RUN_DIR/report.json (absent while the run runs), metrics.jsonl (the latest row o
 each step: a resumed run's later segment replaces the rows it trained again),
 config.yaml, and system/*.jsonl (one file per node). Plots, by figure id: plot-loss,
 plot-throughput, plot-memory, plot-breakdown, plot-network, plot-step-time, drawn by
-observe/svg.py.
+report/svg.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from meshforge.observe.console import (
 from meshforge.observe.metrics import latest_rows, read_jsonl
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
-from meshforge.observe.svg import Line, bar_chart, line_chart, stack_chart, tick
+from meshforge.report.svg import Line, bar_chart, line_chart, stack_chart, tick
 
 if TYPE_CHECKING:
     from meshforge.cost.tco import Tco

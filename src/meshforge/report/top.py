@@ -46,6 +46,7 @@ import yaml
 
 from meshforge.errors import DataError
 from meshforge.observe.console import format_bytes, format_duration, format_percent
+from meshforge.observe.metrics import tail_rows
 from meshforge.runtime import runlock
 
 FINAL_STATUSES = ("completed", "failed", "stopped", "interrupted")
@@ -54,8 +55,6 @@ _RUN_MARKERS = (runlock.LOCK_FILE, "config.yaml", "report.json", "metrics.jsonl"
 _FLIGHT_FILE = re.compile(r"flight-rank-(\d+)\.json")
 _LOOPBACK = re.compile(r"lo\d*")
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
-TAIL_BYTES = 64 * 1024
-_MAX_TAIL_BYTES = 8 * 1024 * 1024  # a row wider than this is not waited for
 # A record written this long before the lock holder's start is an earlier run's (clocks
 # of the hosts sharing a run directory differ a little).
 _CLOCK_SLACK_S = 2.0
@@ -98,34 +97,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, yaml.YAMLError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def tail_rows(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
-    """The JSON objects on the complete lines of the last `max_bytes` of a JSON-lines file,
-    in order. A line cut by the window or by a writer mid-line is skipped; the window
-    doubles until it holds a whole row (up to 8 MiB)."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            while True:
-                start = max(0, size - max_bytes)
-                f.seek(start)
-                lines = f.read(size - start).split(b"\n")
-                if start > 0:
-                    lines = lines[1:]  # begins mid-line
-                rows = []
-                for line in lines:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(row, dict):
-                        rows.append(row)
-                if rows or start == 0 or max_bytes >= _MAX_TAIL_BYTES:
-                    return rows
-                max_bytes *= 2
-    except OSError:
-        return []
 
 
 def _flight_records(health: Path) -> dict[int, dict[str, Any] | None]:

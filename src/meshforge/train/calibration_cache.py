@@ -1,4 +1,4 @@
-"""Measure once, reuse: the figures `observe.machine` takes of this machine, cached
+"""Measure once, reuse: the figures `train.calibration` takes of this machine, cached
 per machine and configuration, so a run never waits for a measurement it already has.
 
 The key names what the figures depend on: the CPU model (or GPU name), device type,

@@ -33,7 +33,7 @@ the same profile, except while the workers share cores (more workers x threads t
 cores): then each timing is the mean over the ranks (the scheduler shares the cores
 evenly over a step; the slowest of short timings is a descheduled moment). It takes
 about a second, once per machine and configuration: the raw figures are cached
-(observe/machine_cache.py) and reused by later runs, and
+(train/calibration_cache.py) and reused by later runs, and
 `meshforge train --recalibrate` measures again (say, after the machine changed, or
 when the cached figures were taken while other jobs shared the cores).
 """
@@ -59,23 +59,31 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.models.gpt import DecoderLM
-from meshforge.models.registry import model_class
+from meshforge.models.registry import blocks_of, model_class, tensor_parallel_plan
 from meshforge.observe.peak import (
     _TORCH_DTYPES,
     _cuda_matmul_dtype,
     gpu_peak_flops,
     measure_cpu_matmul_flops,
 )
+from meshforge.observe.straggler import StragglerWatch, rank_figures
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+from meshforge.parallel.parallelize import (
+    build_model_parts,
+    data_parallel_kind,
+    grad_norm_and_clip,
+    loss_context,
+    wrap_data_parallel,
+)
 from meshforge.plan.core.efficiency import matmul_unit_flops
 from meshforge.plan.core.flops import microbatch_flops, shape_of
 from meshforge.plan.core.timing import (
     OPTIMIZER_BYTES_PER_PARAM,
+    HostCosts,
     TensorParallelModels,
     TimedSteps,
     WrappedBlocks,
 )
-from meshforge.plan.jobs.auto import HostCosts
 from meshforge.plan.jobs.job import param_bytes_per_rank
 from meshforge.plan.jobs.machine_fit import (
     ComputeAtSize,
@@ -85,6 +93,9 @@ from meshforge.plan.jobs.machine_fit import (
     measurement_record,
     remember_profile,
 )
+from meshforge.train import calibration_cache
+from meshforge.train.optim import Optimizers
+from meshforge.train.step import cross_entropy, make_step
 
 log = logging.getLogger(__name__)
 
@@ -378,9 +389,6 @@ def measure_wrapped_blocks(
     as the trainer accumulates; the same passes unwrapped are subtracted. Under ZeRO-1
     also the ZeroRedundancyOptimizer's step. Collective: every rank of the mesh calls
     it (a fixed number of repeats)."""
-    from meshforge.parallel.parallelize import data_parallel_kind, wrap_data_parallel
-    from meshforge.train.optim import Optimizers
-
     model, zero, dtype = cfg.model, cfg._parallel().zero, cfg.precision.dtype
     x = torch.randn(cfg.train.micro_batch, model.seq_len, model.d_model, device=device)
     grad = torch.randn_like(x)
@@ -436,16 +444,6 @@ def measure_tensor_parallel(
     all) and, with a `dp_mesh` of more than one rank, wrapped for data parallelism as
     the trainer wraps it (gradient sync on the last micro-batch). Collective: every rank
     of the meshes calls it (a fixed number of repeats)."""
-    from meshforge.models.registry import tensor_parallel_plan
-    from meshforge.parallel.parallelize import (
-        data_parallel_kind,
-        grad_norm_and_clip,
-        loss_context,
-        wrap_data_parallel,
-    )
-    from meshforge.train.optim import Optimizers
-    from meshforge.train.step import cross_entropy
-
     p, model = cfg._parallel(), cfg.model
     b = cfg.train.micro_batch
     dp = dp_mesh.size() if dp_mesh is not None else 1
@@ -506,11 +504,6 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     step; the median of `repeats` passes or more (a short step as many as fit in
     STEP_BUDGET_S, at most 50). Collective: every rank of `mesh` calls it (the same
     number of passes)."""
-    from meshforge.observe.straggler import StragglerWatch, rank_figures
-    from meshforge.parallel.parallelize import build_model_parts
-    from meshforge.train.optim import Optimizers
-    from meshforge.train.step import make_step
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = cfg.dims(world)
     b, m = cfg.train.micro_batch, dims.microbatches
@@ -607,8 +600,6 @@ def _warm_up(cfg: JobConfig, device: torch.device) -> None:
     allocator's arenas, which a run whose measurements came from the cache would
     otherwise grow in its first steps beyond the prediction (measured on this CPU:
     15-45 MiB for the small GPT of benchmarks/planner_accuracy.py)."""
-    from meshforge.models.registry import blocks_of
-
     model, dtype = cfg.model, cfg.precision.dtype
     if model.is_factory:
         return
@@ -726,9 +717,7 @@ def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[
 def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:
     """The cached measurements as the group's first rank reads them, on every rank
     (None: measure), so that all ranks take the same path through the collectives."""
-    from meshforge.observe import machine_cache
-
-    found = None if machine_cache.recalibrating() else machine_cache.load(key)
+    found = None if calibration_cache.recalibrating() else calibration_cache.load(key)
     if _world(group) == 1:
         return found
     box = [found]
@@ -737,15 +726,13 @@ def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:
 
 
 def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> MeasuredProfile:
-    from meshforge.observe import machine_cache
-
     mesh = group if hasattr(group, "get_group") else None  # a DeviceMesh
     group = mesh.get_group() if mesh is not None else group
     world = _world(group)
     threads = threads or torch.get_num_threads()
     backend = dist.get_backend(group) if dist.is_initialized() else "none"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    key = machine_cache.measurement_key(
+    key = calibration_cache.measurement_key(
         machine=gpu, device_type=device.type, backend=backend, dtype=dtype,
         threads=threads, world=world, job=_job_key(cfg, mesh, layout_mesh),
     )  # fmt: skip
@@ -783,7 +770,7 @@ def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> Measure
     if cached is not None:
         runtime = max(runtime, float(entry.get("runtime_bytes") or 0.0))
     elif world == 1 or dist.get_rank() == 0:
-        machine_cache.save(key, measured, when, runtime)
+        calibration_cache.save(key, measured, when, runtime)
     details = measurement_record(measured, host)
     details["cached"] = cached is not None
     details["measured_at"] = entry["measured_at"] if cached is not None else when
