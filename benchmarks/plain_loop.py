@@ -38,9 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from meshforge.config import ModelConfig
 from meshforge.data.corpus import load_tokens
-from meshforge.models.gpt import GPT
+from meshforge.models.gpt import GPT, GPTArgs
 
 
 def main() -> None:
@@ -74,7 +73,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     pp = args.strategy == "pp"
-    cfg = ModelConfig(
+    cfg = GPTArgs(
+        vocab_size=256,
         d_model=args.d_model,
         n_layers=args.layers,
         n_heads=args.heads,

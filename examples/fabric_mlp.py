@@ -6,7 +6,7 @@
 
 The data set is generated here, deterministically from --seed (three interleaved
 spiral arms with noise), so the example needs no download. The training loop is
-an ordinary PyTorch loop; meshforge.api.Fabric places the model under the chosen
+an ordinary PyTorch loop; meshforge.fabric.Fabric places the model under the chosen
 strategy (ddp | zero1 | zero2 | zero3) and starts the worker processes (or, under
 torchrun, srun or mpirun, runs as one of their ranks).
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from meshforge.api import PRECISIONS, STRATEGIES, Fabric
+from meshforge.fabric import PRECISIONS, STRATEGIES, Fabric
 
 CLASSES = 3
 

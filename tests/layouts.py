@@ -157,6 +157,7 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
     from helpers import peak_rss_growth
     from meshforge.config import build_config
     from meshforge.models.gpt import GPT
+    from meshforge.models.registry import model_args
     from meshforge.parallel.mesh import build_mesh
     from meshforge.parallel.parallelize import build_model_parts
 
@@ -167,11 +168,11 @@ def build_peak_bytes(raw: dict[str, Any], full_model: bool) -> int:
                                           "n_heads": 2}})  # fmt: skip
     dims = tiny.dims(dist.get_world_size())
     build_model_parts(tiny, dims, build_mesh(dims, torch.device("cpu")), torch.device("cpu"))
-    GPT(tiny.model)
+    GPT(model_args(tiny.model))
     grown: list[int] = []
     with peak_rss_growth(grown):
         if full_model:
-            model = GPT(cfg.model)
+            model = GPT(model_args(cfg.model))
         else:
             dims = cfg.dims(dist.get_world_size())
             model = build_model_parts(

@@ -80,8 +80,10 @@ def _powersgd_payload(shapes: list[tuple[int, ...]], rank: int) -> int:
 def test_compression_cuts_payload_and_wire_bytes(tmp_path):
     from meshforge.config import build_config
     from meshforge.models.gpt import GPT
+    from meshforge.models.registry import model_args
 
-    shapes = [tuple(p.shape) for p in GPT(build_config({"model": MODEL}).model).parameters()]
+    model = GPT(model_args(build_config({"model": MODEL}).model))
+    shapes = [tuple(p.shape) for p in model.parameters()]
     full = sum(int(__import__("math").prod(s)) for s in shapes) * 4  # fp32 gradients
     cases = {
         "none": {},

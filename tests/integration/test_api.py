@@ -1,4 +1,4 @@
-"""The Python API (meshforge.api.Fabric) trains a user's own model under every strategy."""
+"""The Python API (meshforge.fabric.Fabric) trains a user's own model under every strategy."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers import run_python
-from meshforge.api import Fabric
 from meshforge.errors import ConfigError
+from meshforge.fabric import Fabric
 
 EXAMPLE = "examples/fabric_mlp.py"
 

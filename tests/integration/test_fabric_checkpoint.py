@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshforge.api import Fabric
 from meshforge.errors import CheckpointError
+from meshforge.fabric import Fabric
 
 BATCH = 8
 USER_VALUES = {"step": 7, "extra": torch.arange(5.0), "note": {"a": [1, 2], "b": "x"}}

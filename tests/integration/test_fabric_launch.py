@@ -24,7 +24,7 @@ from meshforge.runtime.env import detect_env
 SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
-from meshforge.api import Fabric
+from meshforge.fabric import Fabric
 
 def train(fabric):
     seen = [None] * fabric.world_size

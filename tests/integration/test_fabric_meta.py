@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from helpers import peak_rss_growth
-from meshforge.api import Fabric
 from meshforge.errors import ConfigError
+from meshforge.fabric import Fabric
 
 
 class Wide(nn.Module):

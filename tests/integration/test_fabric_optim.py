@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshforge.api import Fabric
+from meshforge.fabric import Fabric
 
 GLOBAL_BATCH = 16
 STEPS = 6

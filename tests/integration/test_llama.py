@@ -12,6 +12,7 @@ from layouts import job, train_layout
 from meshforge.config import ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.models.llama import Llama, apply_rotary, rotary
+from meshforge.models.registry import model_args
 from meshforge.plan.core.flops import gpt_param_count, shape_of
 
 STEPS = 20
@@ -49,7 +50,7 @@ def test_llama_trains_like_world_1_under_every_layout(gloo, reference, parallel)
 def test_parameter_count_matches_the_planners():
     for fields in (LLAMA, {**LLAMA, "n_kv_heads": None, "tie_embeddings": True}):
         cfg = ModelConfig(**fields)
-        built = sum(p.numel() for p in Llama(cfg).parameters())
+        built = sum(p.numel() for p in Llama(model_args(cfg)).parameters())
         assert built == gpt_param_count(shape_of(cfg)).total
     # the published size of a preset (Llama 3.1 8B: 8.03e9 parameters)
     assert gpt_param_count(shape_of(ModelConfig(preset="llama-8b"))).total == 8_030_261_248
@@ -70,8 +71,8 @@ def test_rotary_scores_depend_on_relative_position_only():
 
 
 def test_grouped_query_attention_holds_fewer_key_value_weights():
-    full = Llama(ModelConfig(**{**LLAMA, "n_kv_heads": None}))
-    grouped = Llama(ModelConfig(**LLAMA))
+    full = Llama(model_args(ModelConfig(**{**LLAMA, "n_kv_heads": None})))
+    grouped = Llama(model_args(ModelConfig(**LLAMA)))
     assert full.blocks["0"].attn.k.weight.shape == (32, 32)
     assert grouped.blocks["0"].attn.k.weight.shape == (16, 32)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from meshforge.errors import ConfigError
 from meshforge.train.faults import FAULT_ENV
+from meshforge.version import __version__
 
 NVIDIA_SMI_QUERY = [
     "nvidia-smi",
@@ -227,8 +228,6 @@ def versions() -> dict[str, str | None]:
     """What every rank of a job must share (and Python, compared by major.minor)."""
     import torch
 
-    import meshforge
-
     nccl = None
     if torch.version.cuda is not None:
         try:
@@ -244,7 +243,7 @@ def versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "cudnn": str(cudnn) if cudnn is not None else None,
         "nccl": nccl,
-        "meshforge": meshforge.__version__,
+        "meshforge": __version__,
     }
 
 

@@ -26,16 +26,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from meshforge.config import ModelConfig
-from meshforge.data.tokenizer import BpeTokenizer, ByteTokenizer
 
-# The tokenizers an hf export can carry (both have `to_json`: their tokenizer.json).
-Tokenizer = ByteTokenizer | BpeTokenizer
+
+class Tokenizer(Protocol):
+    """What an hf export needs of a tokenizer (data/tokenizer.py's ByteTokenizer and
+    BpeTokenizer): its kind, its end-of-document id and its tokenizer.json."""
+
+    kind: str  # "byte" | "bpe"
+    eod_id: int
+
+    def to_json(self) -> str: ...
+
 
 TORCH_FILE = "model.pt"
 SAFETENSORS_FILE = "model.safetensors"
@@ -212,6 +219,6 @@ def hf_tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }
-    if isinstance(tokenizer, BpeTokenizer):
+    if tokenizer.kind == "bpe":  # a BpeTokenizer: `inner` is its tokenizers.Tokenizer
         out["eos_token"] = tokenizer.inner.id_to_token(tokenizer.eod_id)
     return out

@@ -1,6 +1,9 @@
 """A decoder-only GPT that fits on a screen: pre-LayerNorm blocks, causal attention
 through scaled_dot_product_attention, a GELU MLP, and an output head tied to the
-token embedding (or its own, with `model.tie_embeddings: false`).
+token embedding (or its own, with `tie_embeddings=False`).
+
+It takes its own arguments (`GPTArgs`), never the job's config: models/registry.py
+translates a job's `model:` section into them.
 
 It knows nothing about how it is parallelised, but is ready to be cut:
 - q, k and v are separate projections, so a column-wise split gives each tensor-
@@ -16,12 +19,28 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.config import ModelConfig
+
+@dataclass(frozen=True)
+class GPTArgs:
+    """The GPT's hyper-parameters: the MLP is `mlp_ratio` x `d_model` wide; dropout
+    applies to the embeddings and the attention weights; `tie_embeddings` shares the
+    token embedding with the output head."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    tie_embeddings: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -56,7 +75,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTArgs) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
@@ -71,7 +90,7 @@ class Block(nn.Module):
 class Embeddings(nn.Module):
     """Token + learned position embeddings, then dropout."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTArgs) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -82,14 +101,26 @@ class Embeddings(nn.Module):
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
+class DecoderArgs(Protocol):
+    """What DecoderLM reads of a model's own arguments (GPTArgs, LlamaArgs)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    seq_len: int
+    tie_embeddings: bool
+
+
 class DecoderLM(nn.Module):
     """What every decoder-only model here shares (the GPT and the Llama-style model):
     `embed`, `blocks` keyed by layer index, `ln_f` and `head`, any of which a pipeline
     stage may drop (forward skips what is absent); the tied head; per-parameter
-    initialisation; sampling."""
+    initialisation; sampling.
+
+    `cfg` is the model's own arguments (GPTArgs, LlamaArgs; see DecoderArgs)."""
 
     def __init__(
-        self, cfg: ModelConfig, embed: nn.Module, blocks: list[nn.Module], ln_f: nn.Module
+        self, cfg: DecoderArgs, embed: nn.Module, blocks: list[nn.Module], ln_f: nn.Module
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -151,7 +182,7 @@ class DecoderLM(nn.Module):
 
 
 class GPT(DecoderLM):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTArgs) -> None:
         blocks = [Block(cfg) for _ in range(cfg.n_layers)]
         super().__init__(cfg, Embeddings(cfg), blocks, nn.LayerNorm(cfg.d_model))
 

@@ -1,7 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, a SwiGLU MLP,
-grouped-query attention (`model.n_kv_heads`) and an output head of its own (tied
-only when `model.tie_embeddings: true`, as Llama 3.2 1B/3B are). No biases, no
-dropout, no position table.
+grouped-query attention (`n_kv_heads`) and an output head of its own (tied only
+when `tie_embeddings=True`, as Llama 3.2 1B/3B are). No biases, no dropout, no
+position table. It takes its own arguments (`LlamaArgs`), never the job's config.
 
 It follows the GPT's conventions (models/gpt.py), so that the same pipeline split,
 checkpoints and layouts apply: `embed` (token embedding), `blocks` keyed by layer
@@ -18,12 +18,31 @@ nothing a pipeline stage must be handed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.config import ModelConfig
 from meshforge.models.gpt import DecoderLM
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The Llama-style model's hyper-parameters: `n_kv_heads` key/value heads (GQA;
+    `n_heads` for none), a SwiGLU MLP `ffn_hidden` wide, the rotary base
+    `rope_theta`, the RMSNorm epsilon `norm_eps`."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    seq_len: int
+    ffn_hidden: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
 
 
 def rotary(x: torch.Tensor, theta: float, dims: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,10 +61,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
-        kv = cfg.kv_heads * self.head_dim
+        kv = cfg.n_kv_heads * self.head_dim
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k = nn.Linear(cfg.d_model, kv, bias=False)
         self.v = nn.Linear(cfg.d_model, kv, bias=False)
@@ -80,12 +99,12 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.ln1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ln2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -93,7 +112,7 @@ class LlamaBlock(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
@@ -105,7 +124,7 @@ class Llama(DecoderLM):
     """Initialised as the GPT is (DecoderLM.init_weights): matrices N(0, 0.02), the
     two residual projections of each block N(0, 0.02/sqrt(2L)), RMSNorm weights 1."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaArgs) -> None:
         blocks = [LlamaBlock(cfg) for _ in range(cfg.n_layers)]
         super().__init__(
             cfg, TokenEmbedding(cfg), blocks, nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)

@@ -14,6 +14,9 @@ by layer index), `ln_f` and `head`, any of which a stage may set to None, and a
 forward that skips what is None.
 
 Factories are imported from the directory meshforge runs in (or PYTHONPATH).
+
+meshforge's own models take their own arguments (GPTArgs, LlamaArgs); `model_args`
+is the one place that translates a job's `model:` section into them.
 """
 
 from __future__ import annotations
@@ -29,16 +32,44 @@ from torch import nn
 
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
-from meshforge.models.gpt import GPT, DecoderLM
-from meshforge.models.llama import Llama
-
-FAMILY_CLASSES: dict[str, type[DecoderLM]] = {"gpt": GPT, "llama": Llama}
+from meshforge.models.gpt import GPT, DecoderLM, GPTArgs
+from meshforge.models.llama import Llama, LlamaArgs
 
 
-def model_class(cfg: ModelConfig) -> type[DecoderLM]:
+def model_args(cfg: ModelConfig) -> GPTArgs | LlamaArgs:
+    """The arguments of the meshforge model that `cfg` names."""
     if cfg.is_factory:
         raise ConfigError(f"model.name={cfg.name} is a user's factory, not a meshforge model")
-    return FAMILY_CLASSES[cfg.name]
+    if cfg.name == "llama":
+        return LlamaArgs(
+            vocab_size=cfg.vocab_size,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.kv_heads,
+            seq_len=cfg.seq_len,
+            ffn_hidden=cfg.mlp_hidden,
+            rope_theta=cfg.rope_theta,
+            norm_eps=cfg.norm_eps,
+            tie_embeddings=cfg.tie_embeddings,
+        )
+    return GPTArgs(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        seq_len=cfg.seq_len,
+        mlp_ratio=cfg.mlp_ratio,
+        dropout=cfg.dropout,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def family_model(cfg: ModelConfig) -> DecoderLM:
+    """The meshforge model (GPT or Llama) that `cfg` names, built on the current
+    default device; ConfigError for a user's factory."""
+    args = model_args(cfg)
+    return Llama(args) if isinstance(args, LlamaArgs) else GPT(args)
 
 
 def import_object(spec: str, field: str) -> Any:
@@ -86,7 +117,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     meshforge's own models: they initialise later with `init_weights`)."""
     if cfg.is_factory:
         return build_factory(cfg)
-    return model_class(cfg)(cfg)
+    return family_model(cfg)
 
 
 def check_factory(cfg: JobConfig) -> None:

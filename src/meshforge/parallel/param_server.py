@@ -48,7 +48,7 @@ from meshforge.config import JobConfig
 from meshforge.errors import ConfigError
 from meshforge.layout import ParallelDims
 from meshforge.models.gpt import init_value
-from meshforge.models.registry import model_class
+from meshforge.models.registry import family_model
 from meshforge.observe import comm_bytes
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.parallel.parallelize import ModelParts
@@ -83,7 +83,7 @@ class ShardPlan:
     @classmethod
     def for_model(cls, cfg: JobConfig, dims: ParallelDims) -> ShardPlan:
         with torch.device("meta"):
-            model = model_class(cfg.model)(cfg.model)
+            model = family_model(cfg.model)
         canonical = {id(p): n for n, p in model.named_parameters()}
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         aliases = {
@@ -142,7 +142,7 @@ def build_worker_replica(cfg: JobConfig, device: torch.device) -> ModelParts:
     """A worker's full, unwrapped replica: the values world 1 would initialise."""
     t = cfg.train
     with torch.device("meta"):
-        model = model_class(cfg.model)(cfg.model)
+        model = family_model(cfg.model)
     apply_activation_checkpointing(list(model.blocks.values()), t.activation_checkpointing)
     if t.compile:
         for block in model.blocks.values():

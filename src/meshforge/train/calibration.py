@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.models.gpt import DecoderLM
-from meshforge.models.registry import blocks_of, model_class, tensor_parallel_plan
+from meshforge.models.registry import blocks_of, family_model, tensor_parallel_plan
 from meshforge.observe.peak import (
     _TORCH_DTYPES,
     _cuda_matmul_dtype,
@@ -213,8 +213,8 @@ def _model_parts(
     """(one layer, the rest) of the run's model on `device` in `dtype`, in training
     mode: a block, and a 0-layer model (embeddings, final norm, head)."""
     with torch.device(device):
-        block = model_class(model)(model.model_copy(update={"n_layers": 1})).blocks["0"]
-        ends = model_class(model)(model.model_copy(update={"n_layers": 0}))
+        block = family_model(model.model_copy(update={"n_layers": 1})).blocks["0"]
+        ends = family_model(model.model_copy(update={"n_layers": 0}))
     return block.to(dtype).train(), ends.to(dtype).train()
 
 
@@ -305,7 +305,7 @@ def measure_model_compute(
 def _param_shapes(model: ModelConfig) -> list[torch.Size]:
     """The shapes of the model's parameters (built on the meta device: no memory)."""
     with torch.device("meta"):
-        gpt = model_class(model)(model)
+        gpt = family_model(model)
     return [p.shape for p in gpt.parameters()]
 
 
@@ -398,7 +398,7 @@ def measure_wrapped_blocks(
     def blocks(k: int) -> _Blocks:
         with torch.device(device):
             some = model.model_copy(update={"n_layers": k})
-            return _Blocks(list(model_class(some)(some).blocks.values())).train()
+            return _Blocks(list(family_model(some).blocks.values())).train()
 
     def step(module: nn.Module, parts: Any = None) -> Callable[[], None]:
         inputs = x.detach().requires_grad_()
@@ -453,7 +453,7 @@ def measure_tensor_parallel(
     for k in (1, 2):
         some = model.model_copy(update={"n_layers": k})
         with torch.device(device):
-            lm = model_class(some)(some).train()
+            lm = family_model(some).train()
         tensor_parallel_plan(model)(
             lm, tp_mesh, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel
         )
@@ -605,7 +605,7 @@ def _warm_up(cfg: JobConfig, device: torch.device) -> None:
         return
     one = model.model_copy(update={"n_layers": 1})
     with torch.random.fork_rng(devices=[]), torch.device(device):
-        lm = model_class(one)(one).to(_TORCH_DTYPES[dtype]).train()
+        lm = family_model(one).to(_TORCH_DTYPES[dtype]).train()
         if cfg.train.activation_checkpointing != "none":
             apply_activation_checkpointing(blocks_of(lm), "full")
         idx = torch.randint(0, one.vocab_size, (cfg.train.micro_batch, one.seq_len))

@@ -80,14 +80,14 @@ def load_saved(cfg: JobConfig, step: int, checkpoint: Path) -> SavedModel:
     """The model of `cfg` with the weights of `checkpoint` (from `checkpoint_of`)."""
     import torch
 
-    from meshforge.models.registry import build_factory, model_class
+    from meshforge.models.registry import build_factory, family_model
     from meshforge.train.checkpoint import read_dcp
 
     if cfg.model.is_factory:
         model = build_factory(cfg.model)
     else:
         with torch.device("meta"):  # no initialisation: the checkpoint fills every tensor
-            model = model_class(cfg.model)(cfg.model)
+            model = family_model(cfg.model)
         model.to_empty(device="cpu")
         model.tie_weights()
     state = {"model": model.state_dict()}

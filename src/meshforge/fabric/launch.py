@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from meshforge.api import Fabric
+    from meshforge.fabric.api import Fabric
 
 T = TypeVar("T")
 
@@ -56,7 +56,7 @@ class FabricWorkerError(RuntimeError):
 
 def run(settings: FabricSettings, fn: Callable[[Fabric], T]) -> T:
     """One rank: rebuild the Fabric, join the group, run fn, always leave the group."""
-    from meshforge.api import Fabric  # at call time: api imports this module
+    from meshforge.fabric.api import Fabric  # at call time: api imports this module
 
     fabric = Fabric(**vars(settings))
     with fabric:
@@ -66,7 +66,7 @@ def run(settings: FabricSettings, fn: Callable[[Fabric], T]) -> T:
 def _run_recorded(settings: FabricSettings, fn: Callable[[Fabric], T], record_dir: str) -> T:
     """One spawned rank: as run, and an error of its own is recorded (with its time)
     before the group goes, so the launcher can tell the cause from its consequences."""
-    from meshforge.api import Fabric
+    from meshforge.fabric.api import Fabric
 
     fabric = Fabric(**vars(settings))
     with fabric:

@@ -36,7 +36,7 @@ from torch import nn
 from meshforge.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from meshforge.api import Fabric
+    from meshforge.fabric.api import Fabric
     from meshforge.parallel.data_parallel import DataParallelModel
 
 FABRIC_INDEX = "fabric.json"  # what each top-level entry of a Fabric checkpoint is

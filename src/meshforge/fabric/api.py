@@ -25,9 +25,9 @@ The strategies are those of the job config (`parallel.zero`), applied by
 the one already initialised in this process, which Fabric then leaves alone).
 
 This module is the object and its training step; the rest lives beside it:
-fabric_setup.py (the optimizer, the scheduler and a meta-built model's values that
-`setup` makes), fabric_checkpoint.py (`save`/`load` through torch.distributed.checkpoint,
-atomic, any strategy and world size from any other, data only) and fabric_launch.py
+fabric/setup.py (the optimizer, the scheduler and a meta-built model's values that
+`setup` makes), fabric/checkpoint.py (`save`/`load` through torch.distributed.checkpoint,
+atomic, any strategy and world size from any other, data only) and fabric/launch.py
 (`launch`: in this process under torchrun, srun or mpirun, else workers started
 through the torch elastic agent, and a failed worker's one-line FabricWorkerError).
 """
@@ -47,9 +47,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from meshforge import fabric_checkpoint, fabric_launch, fabric_setup
 from meshforge.errors import ConfigError
-from meshforge.fabric_launch import FabricSettings, FabricWorkerError
+from meshforge.fabric import checkpoint as fabric_checkpoint
+from meshforge.fabric import launch as fabric_launch
+from meshforge.fabric import setup as fabric_setup
+from meshforge.fabric.launch import FabricSettings, FabricWorkerError
 
 if TYPE_CHECKING:
     from meshforge.parallel.data_parallel import DataParallelModel
@@ -336,7 +338,7 @@ class Fabric:
     def zero_grad(self) -> None:
         self._model().optimizer.zero_grad(set_to_none=True)
 
-    # -- checkpoints (fabric_checkpoint.py) -------------------------------------------
+    # -- checkpoints (fabric/checkpoint.py) -------------------------------------------
     def save(self, path: str | os.PathLike, state: dict[str, Any]) -> Path:
         """Write `state` to the checkpoint directory `path` (collective: every rank calls
         it with the same keys). Returns the path.

@@ -1,0 +1,3 @@
+"""meshforge's version, importable from anywhere without importing the package's API."""
+
+__version__ = "0.1.0"
