@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples scripts
 	$(BIN)/ruff format --check src tests benchmarks examples scripts
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks examples scripts

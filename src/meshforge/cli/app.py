@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from typer.core import TyperGroup
 
-from meshforge import __version__
+from meshforge.version import __version__
 
 try:  # typer >= 0.22 vendors click; older releases use the click package
     from typer import _click as click
