@@ -415,8 +415,14 @@ def test_ctrl_c_during_a_search_is_one_line_and_exit_130(capsys, monkeypatch):
         raise AssertionError("SIGINT did not interrupt the search")
 
     monkeypatch.setattr(request, "plan", interrupted)
+    # a fresh `meshforge` process starts with Python's own SIGINT handler; an earlier
+    # in-process test of the suite may have left another one installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT)
-    stopped = _plan_here(capsys, "--model", "llama-8b", "--gpus", "64", "--global-batch", "512")
+    try:
+        stopped = _plan_here(capsys, "--model", "llama-8b", "--gpus", "64", "--global-batch", "512")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stopped.returncode == 130, stopped.stderr
     assert stopped.stderr.strip().splitlines() == ["meshforge: interrupted (Ctrl-C)"]
     assert signal.getsignal(signal.SIGINT) is before  # the CLI left it as it found it
