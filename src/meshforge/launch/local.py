@@ -282,7 +282,7 @@ def launch_training(argv: list[str]) -> int:
     # A Ctrl-C before the agent runs is noted, not raised: raised inside a torch call
     # it would abort the process; the job is given up before the workers start.
     pressed: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
     # first: it imports torch and the trainer while this process prepares the job
     preloaded = zygote.start()
     try:
@@ -290,6 +290,7 @@ def launch_training(argv: list[str]) -> int:
     finally:
         if preloaded is not None:
             preloaded.stop()
+        signal.signal(signal.SIGINT, previous)  # called in-process (tests): as it found it
 
 
 def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int:
