@@ -13,12 +13,12 @@ import yaml
 
 from helpers import TINY_JOB, assert_one_line_error, meshforge, stop_processes
 from meshforge.errors import ConfigError
-from meshforge.launch import netif
 from meshforge.launch.torchrun import (
     check_gpu_count,
     launch_config,
     parse_launch_args,
 )
+from meshforge.runtime import netif
 
 
 @pytest.fixture

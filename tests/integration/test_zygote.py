@@ -30,7 +30,7 @@ def _client(args: list[str], spec: str) -> subprocess.CompletedProcess:
 def zygote():
     from meshforge.launch import zygote as z
 
-    started = z.Zygote()
+    started = z.Zygote("meshforge.cli:main")
     yield started
     started.stop()
     started.proc.wait(timeout=30)

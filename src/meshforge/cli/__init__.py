@@ -29,6 +29,9 @@ from meshforge.cli import report as _report  # noqa: E402,F401
 from meshforge.cli import sample as _sample  # noqa: E402,F401
 from meshforge.cli import scale as _scale  # noqa: E402,F401
 from meshforge.cli import submit as _submit  # noqa: E402,F401
+from meshforge.cli import submit_k8s as _submit_k8s  # noqa: E402,F401
+from meshforge.cli import submit_mpi as _submit_mpi  # noqa: E402,F401
+from meshforge.cli import submit_slurm as _submit_slurm  # noqa: E402,F401
 from meshforge.cli import top as _top  # noqa: E402,F401
 from meshforge.cli import train as _train  # noqa: E402,F401
 

@@ -157,8 +157,8 @@ def run_preflight(argv: list[str]) -> int:
 
 def _run_worker(options, render: bool, as_json: bool) -> int:
     from meshforge.health.preflight import FAIL, run_checks
+    from meshforge.rundir.failures import record_failure
     from meshforge.runtime.env import detect_env
-    from meshforge.train.worker import record_failure
 
     rank = detect_env().rank
     try:

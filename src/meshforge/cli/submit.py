@@ -1,7 +1,8 @@
 """`meshforge submit SCHEDULER CONFIG ...`: hand a job to Slurm, MPI or Kubernetes.
 
 Each scheduler's command lives in its own module (submit_slurm, submit_mpi,
-submit_k8s) and registers on `submit_app`."""
+submit_k8s) and registers on `submit_app`; cli/__init__.py imports them after this
+module, so none of them imports the other way round."""
 
 from __future__ import annotations
 
@@ -36,8 +37,3 @@ submit_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(submit_app, name="submit", rich_help_panel="Cluster")
-
-# Scheduler commands register themselves on submit_app when imported.
-from meshforge.cli import submit_k8s as _k8s  # noqa: E402,F401
-from meshforge.cli import submit_mpi as _mpi  # noqa: E402,F401
-from meshforge.cli import submit_slurm as _slurm  # noqa: E402,F401

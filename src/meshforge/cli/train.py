@@ -16,6 +16,10 @@ import typer
 
 from meshforge.cli.app import app
 
+# What every worker runs (`python -m meshforge worker ...`), handed to the launcher and
+# its zygote: they import nothing of the CLI themselves.
+WORKER_ENTRY = "meshforge.cli:main"
+
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +39,7 @@ def train(ctx: typer.Context) -> None:
     --max-restarts, --iface NAME, ...). See `meshforge train --help`."""
     from meshforge.launch.local import launch_training
 
-    code = launch_training(list(ctx.args))
+    code = launch_training(list(ctx.args), WORKER_ENTRY)
     # The run is over and recorded: leave without the interpreter's teardown of torch
     # and the elastic agent (a few tenths of a second of the command's exit).
     sys.stdout.flush()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.data.shards import DTYPES, INDEX_FORMAT, INDEX_NAME, read_index, sha256_file
+from meshforge.units import format_bytes
 
 ProgressFn = Callable[[int, int], None]  # (bytes verified, bytes in all)
 _LISTED_SOURCES = 10  # sources named in the table; --json has them all
@@ -113,8 +114,6 @@ def inspect_shards(
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a short table: one fact per line, damage named last."""
-    from meshforge.observe.console import format_bytes
-
     tok = report["tokenizer"]
     n_shards = len(report["shards"])
     lines = [

@@ -157,8 +157,8 @@ class Fabric:
         env = detect_env()
         one_task_step = env.launcher == "slurm" and env.world_size == 1 and nproc > 1
         if env.launcher != "single" and not one_task_step:
-            return fabric_launch.run(self._settings, fn)
-        return fabric_launch.spawn(self._settings, fn, nproc)
+            return fabric_launch.run(self._settings, fn, Fabric)
+        return fabric_launch.spawn(self._settings, fn, nproc, Fabric)
 
     # -- placement ------------------------------------------------------------------
     def _runtime(self) -> Runtime:

@@ -54,33 +54,35 @@ class FabricWorkerError(RuntimeError):
         return (type(self), (str(self), self.rank, self.failures))
 
 
-def run(settings: FabricSettings, fn: Callable[[Fabric], T]) -> T:
-    """One rank: rebuild the Fabric, join the group, run fn, always leave the group."""
-    from meshforge.fabric.api import Fabric  # at call time: api imports this module
-
-    fabric = Fabric(**vars(settings))
+def run(settings: FabricSettings, fn: Callable[[Fabric], T], make: type[Fabric]) -> T:
+    """One rank: rebuild the Fabric (MAKE, the class, given by api.py: this module does
+    not import it), join the group, run fn, always leave the group."""
+    fabric = make(**vars(settings))
     with fabric:
         return fn(fabric)
 
 
-def _run_recorded(settings: FabricSettings, fn: Callable[[Fabric], T], record_dir: str) -> T:
+def _run_recorded(
+    settings: FabricSettings, fn: Callable[[Fabric], T], make: type[Fabric], record_dir: str
+) -> T:
     """One spawned rank: as run, and an error of its own is recorded (with its time)
-    before the group goes, so the launcher can tell the cause from its consequences."""
-    from meshforge.fabric.api import Fabric
-
-    fabric = Fabric(**vars(settings))
+    before the group goes, so the launcher can tell the cause from its consequences.
+    MAKE (the Fabric class) crosses the spawn pickled by its qualified name."""
+    fabric = make(**vars(settings))
     with fabric:
         try:
             return fn(fabric)
         except BaseException as exc:
             with contextlib.suppress(Exception):  # never hides the error itself
-                from meshforge.train.worker import record_failure
+                from meshforge.rundir.failures import record_failure
 
                 record_failure(Path(record_dir), fabric.rank, exc)
             raise
 
 
-def spawn(settings: FabricSettings, fn: Callable[[Fabric], T], nproc: int) -> T | None:
+def spawn(
+    settings: FabricSettings, fn: Callable[[Fabric], T], nproc: int, make: type[Fabric]
+) -> T | None:
     """Run fn on nproc local workers through the elastic agent (the machinery of torchrun)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -94,7 +96,7 @@ def spawn(settings: FabricSettings, fn: Callable[[Fabric], T], nproc: int) -> T 
     with tempfile.TemporaryDirectory(prefix="meshforge-fabric-") as work:
         config = launch_config(nproc, NodeSpec(), Path(work) / "elastic")
         try:
-            results = elastic_launch(config, _run_recorded)(settings, fn, work)
+            results = elastic_launch(config, _run_recorded)(settings, fn, make, work)
         except ChildFailedError as exc:
             raise _worker_error(exc, Path(work) / "health") from None
         except SignalException as exc:  # Ctrl-C or SIGTERM: the agent stopped the workers

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.health.evidence import Evidence, Rank, collect
-from meshforge.launch.local import describe_exit
+from meshforge.rundir.failures import describe_exit
 
 VERDICTS = (
     "rank_crashed",

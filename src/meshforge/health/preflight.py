@@ -32,6 +32,7 @@ from typing import Any
 
 from meshforge.fileio import write_text_atomic
 from meshforge.health import probes
+from meshforge.units import format_bytes
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 RESULT_FILE = "preflight.json"  # in RUN_DIR/health/
@@ -247,8 +248,6 @@ def env_check(reports: list[dict], hosts: dict[int, str]) -> Check:
 def disk_check(
     reports: list[dict], hosts: dict[int, str], low_bytes: int = LOW_DISK_BYTES
 ) -> Check:
-    from meshforge.observe.console import format_bytes
-
     disks = {rank: n["disk"] for rank, n in _node_reports(reports).items()}
     if not disks:
         return Check("disk", WARN, "no node report")

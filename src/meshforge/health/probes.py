@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import ConfigError
+from meshforge.runtime import netif
 from meshforge.train.faults import FAULT_ENV
 from meshforge.version import __version__
 
@@ -254,8 +255,6 @@ def comm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def advertised_address(environ: Mapping[str, str] | None = None) -> str | None:
     """The address peers reach this process at: GLOO_SOCKET_IFNAME's, else the host name's."""
-    from meshforge.launch import netif
-
     env = os.environ if environ is None else environ
     iface = env.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     return (netif.ipv4_of(iface) if iface else None) or netif.hostname_address()

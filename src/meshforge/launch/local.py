@@ -20,6 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# the failure records and the root-cause choice live with the run directory's files;
+# the launcher's callers (Fabric, benchmarks) also use them by these names
+from meshforge.rundir.failures import (  # noqa: F401
+    choose_first_failure,
+    clear_recorded_failures,
+    describe_exit,
+    is_peer_failure,
+    recorded_failures,
+    root_cause,
+)
+
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -76,15 +87,6 @@ def launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
     )
 
 
-def describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
 def failure_message(failure) -> str:
     msg = failure.message
     if isinstance(msg, dict):
@@ -93,72 +95,6 @@ def failure_message(failure) -> str:
     if not msg or msg.startswith("To enable traceback"):
         return "no error recorded (see its log)"
     return msg.splitlines()[-1] if "Traceback" in msg else msg.splitlines()[0]
-
-
-# Errors a rank raises because a peer died: consequences, not causes.
-_PEER_FAILURE_MARKERS = (
-    "closed by peer",
-    "reset by peer",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "connectfullmesh",
-)
-
-
-def is_peer_failure(error: str) -> bool:
-    text = error.lower()
-    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
-def root_cause(recorded: list[dict], failures: list[dict]) -> dict | None:
-    """Pick the failure that caused the others.
-
-    In order: the earliest error a rank recorded itself that is not a peer's broken
-    connection; else a rank killed by a signal the agent did not send (SIGKILL by the
-    OOM killer, SIGSEGV, ...); else the earliest recorded error; else None."""
-    causes = [r for r in recorded if not is_peer_failure(r["error"])]
-    if causes:
-        return min(causes, key=lambda r: r["time"])
-    killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
-    if killed:
-        return None  # the agent's own record of the signal is the cause
-    return min(recorded, key=lambda r: r["time"]) if recorded else None
-
-
-def choose_first_failure(recorded: list[dict], failures: list[dict], agent_first: int) -> dict:
-    """The failure to name as the cause of the others, with its error: root_cause's
-    pick; else a rank killed by a signal the agent did not send; else the rank the agent
-    saw fail first (AGENT_FIRST). A rank whose record names it the cause but that the
-    agent has not seen exit gets a new entry, not added to FAILURES."""
-    cause = root_cause(recorded, failures)
-    if cause is None:
-        killed = [f for f in failures if f["exitcode"] < 0 and f["exit"] != "killed by SIGTERM"]
-        return killed[0] if killed else next(f for f in failures if f["rank"] == agent_first)
-    # The agent sees whichever process exited first; a rank that raised may still be
-    # tearing down while its peers die of the broken connection.
-    first = next((f for f in failures if f["rank"] == cause["rank"]), None)
-    if first is None:
-        first = {"rank": cause["rank"], "exit": "stopped by the agent after failing"}
-    first["error"] = cause["error"]
-    return first
-
-
-def recorded_failures(health: Path) -> list[dict]:
-    """The failures the workers recorded themselves (health/failure-rank-K.json)."""
-    records = []
-    for path in health.glob("failure-rank-*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return records
-
-
-def clear_recorded_failures(health: Path) -> None:
-    for path in health.glob("failure-rank-*.json"):
-        path.unlink(missing_ok=True)
 
 
 def run_workers(worker_args: list[str], nproc: int, node: NodeSpec, run_dir: Path) -> dict | None:
@@ -273,8 +209,12 @@ def run_elastic(
         return write_diagnosis(run_dir, agent)
 
 
-def launch_training(argv: list[str]) -> int:
-    """`meshforge train ARGV`: parse torchrun's flags, prepare the job, run the agent."""
+def launch_training(argv: list[str], worker_entry: str) -> int:
+    """`meshforge train ARGV`: parse torchrun's flags, prepare the job, run the agent.
+
+    `worker_entry` (`module:function`) is what each worker runs with its arguments, the
+    CLI's main: the zygote preloads and calls it, so that launch/ imports nothing above
+    it."""
     from meshforge.launch import zygote
     from meshforge.train.timing import mark_launch
 
@@ -284,7 +224,7 @@ def launch_training(argv: list[str]) -> int:
     pressed: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
     # first: it imports torch and the trainer while this process prepares the job
-    preloaded = zygote.start()
+    preloaded = zygote.start(worker_entry)
     try:
         return _launch_training(argv, preloaded, pressed)
     finally:

@@ -110,7 +110,7 @@ def find_mpirun(mpirun: str | None = None) -> str:
 
 
 def check_iface(iface: str) -> None:
-    from meshforge.launch.netif import interface_address
+    from meshforge.runtime.netif import interface_address
 
     interface_address(iface)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from meshforge.errors import ConfigError
-from meshforge.launch import netif
+from meshforge.runtime import netif
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig

@@ -30,6 +30,7 @@ thread count, seeds and devices after the fork, as a fresh process does.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from meshforge.runtime.parent import signal_on_parent_death
@@ -48,8 +50,6 @@ ENV = "MESHFORGE_ZYGOTE"  # the socket's path in a worker's environment; "0": of
 _PRELOAD = (
     "torch",
     "torch.distributed",
-    "meshforge.cli.app",
-    "meshforge.cli.train",
     "meshforge.train.worker",
     "meshforge.train.trainer",
     # what the first checkpoint would import (DCP looks for an fsspec path): not on
@@ -60,6 +60,7 @@ _PRELOAD = (
 )
 _RELAYED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
 _HEADER = struct.Struct("!I")
+_worker_main: Callable[[list[str]], object] | None = None  # serve(): the given entry point
 
 
 def enabled() -> bool:
@@ -72,13 +73,16 @@ def enabled() -> bool:
 class Zygote:
     """The zygote process a launcher starts, and its socket."""
 
-    def __init__(self) -> None:
+    def __init__(self, entry: str) -> None:
+        """`entry`: the worker's `module:function`, called with its arguments (the
+        launcher's caller names it: this module imports nothing above the launcher)."""
+        _entry_point(entry)  # a malformed name fails here, not in every forked worker
         self.dir = Path(tempfile.mkdtemp(prefix="meshforge-zygote-"))
         self.path = self.dir / "sock"
         # a session of its own: a Ctrl-C in the terminal reaches the launcher only
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshforge.launch.zygote", "--serve", str(self.path),
-             str(os.getpid())],
+             str(os.getpid()), entry],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
@@ -100,12 +104,19 @@ class Zygote:
             self.dir.rmdir()
 
 
-def start() -> Zygote | None:
+def _entry_point(entry: str) -> tuple[str, str]:
+    module, sep, function = entry.partition(":")
+    if not (module and sep and function.isidentifier()):
+        raise ValueError(f"a worker entry point is module:function, not {entry!r}")
+    return module, function
+
+
+def start(entry: str) -> Zygote | None:
     """A zygote for this launcher's workers, unless turned off."""
     if not enabled():
         return None
     try:
-        return Zygote()
+        return Zygote(entry)
     except OSError:
         return None
 
@@ -141,14 +152,15 @@ def _recv(conn: socket.socket, fds: bool = False) -> tuple[dict | None, list[int
     return json.loads(data[_HEADER.size : _HEADER.size + size]), got
 
 
-def serve(path: str, launcher_pid: int) -> None:
-    import importlib
-
+def serve(path: str, launcher_pid: int, entry: str) -> None:
+    global _worker_main
     for name in _PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:  # optional (fsspec): the worker imports it when it needs it
             continue
+    module, function = _entry_point(entry)
+    _worker_main = getattr(importlib.import_module(module), function)
     import threading
 
     if threading.active_count() != 1:  # a Python thread could hold a lock at the fork
@@ -273,9 +285,8 @@ def _become_worker(request: dict, fds: list[int]) -> None:
         import torch  # OpenMP read the zygote's environment when torch was imported
 
         torch.set_num_threads(int(threads))
-    from meshforge.cli import main
-
-    main(request["args"])
+    assert _worker_main is not None  # serve() resolved it before it accepted anyone
+    _worker_main(request["args"])
 
 
 # -- the client the elastic agent starts ---------------------------------------------------
@@ -360,6 +371,6 @@ def client(args: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2], int(sys.argv[3]))
+        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         client(sys.argv[1:])

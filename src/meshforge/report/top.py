@@ -45,9 +45,9 @@ from typing import Any, TextIO
 import yaml
 
 from meshforge.errors import DataError
-from meshforge.observe.console import format_bytes, format_duration, format_percent
 from meshforge.observe.metrics import tail_rows
 from meshforge.runtime import runlock
+from meshforge.units import format_bytes, format_duration, format_percent
 
 FINAL_STATUSES = ("completed", "failed", "stopped", "interrupted")
 # What a run directory holds from the moment its launcher takes it.

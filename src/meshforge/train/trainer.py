@@ -29,7 +29,6 @@ from meshforge.config import JobConfig, parse_steps
 from meshforge.data.corpus import load_tokens
 from meshforge.data.loader import DistributedBatchLoader, NoBatches, val_batches
 from meshforge.errors import ConfigError
-from meshforge.launch.local import is_peer_failure, recorded_failures
 from meshforge.models.registry import blocks_of, build_model
 from meshforge.observe import comm_bytes
 from meshforge.observe.comm_time import measure_tp_comm
@@ -52,6 +51,7 @@ from meshforge.plan.core.flops import (
     shape_of,
     training_flops_per_token,
 )
+from meshforge.rundir.failures import is_peer_failure, recorded_failures
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from meshforge.config import load_config
+from meshforge.rundir.failures import record_failure
 from meshforge.runtime.env import detect_env
 from meshforge.runtime.runlock import worker_run_lock
 
@@ -163,19 +162,6 @@ def _stop_with_launcher() -> None:
     term_on_parent_death(
         os.environ.get("MESHFORGE_EXPECTED_PARENT") or os.environ.get("MESHFORGE_LAUNCHER_PID")
     )
-
-
-def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
-    health = run_dir / "health"
-    path = health / f"failure-rank-{rank}.json"
-    if path.exists():
-        return
-    try:
-        health.mkdir(parents=True, exist_ok=True)
-        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        path.write_text(json.dumps({"rank": rank, "time": time.time(), "error": message}))
-    except OSError:
-        pass
 
 
 def _announce(run_dir: Path, report: dict, sample: bool = True) -> None:
