@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from meshforge.cli.app import app
+from meshforge.cli.app import CtrlC, app
 from meshforge.errors import MeshforgeError
 
 try:  # typer >= 0.22 vendors click; older releases use the click package
@@ -40,16 +40,6 @@ def _fail_usage(message: str) -> None:
     message = " ".join(str(message).split())
     print(f"meshforge: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-class CtrlC:
-    """Whether Ctrl-C ended a command: typer turns the KeyboardInterrupt into exit code
-    130 without a word, so `main` says it, unless the command said what the stop left
-    behind itself (`CtrlC.reported = True`). Commands with their own SIGINT handling
-    (train's launcher) replace the handler and are not counted."""
-
-    pressed = False
-    reported = False
 
 
 def _on_sigint(signum, frame) -> None:  # noqa: ARG001 - signal API

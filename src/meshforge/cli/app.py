@@ -78,3 +78,13 @@ data_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(data_app, name="data", rich_help_panel="Run")
+
+
+class CtrlC:
+    """Whether Ctrl-C ended a command: typer turns the KeyboardInterrupt into exit code
+    130 without a word, so `main` says it, unless the command said what the stop left
+    behind itself (`CtrlC.reported = True`). Commands with their own SIGINT handling
+    (train's launcher) replace the handler and are not counted."""
+
+    pressed = False
+    reported = False

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from meshforge.cli.app import CtrlC
 from meshforge.cli.submit import submit_app
 
 
@@ -116,8 +117,6 @@ def slurm(
             job_id, on_change=lambda s: print(f"meshforge: job {job_id} {s.state}", flush=True)
         )
     except KeyboardInterrupt:
-        from meshforge.cli import CtrlC
-
         CtrlC.reported = True
         print(
             f"meshforge: stopped following job {job_id}; it goes on (scancel {job_id})",
