@@ -36,10 +36,10 @@ from meshforge.config import load_config, save_config
 from meshforge.errors import ConfigError
 from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
 from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.rundir.segments import close_segment, open_segment, segments_of
 from meshforge.train.checkpoint import write_manifest
 from meshforge.train.report import write_interrupted_report
 from meshforge.train.schedule import lr_factor
-from meshforge.train.segments import close_segment, open_segment, segments_of
 
 LR, WARMUP, MIN_RATIO = TINY_JOB["train"]["lr"], TINY_JOB["train"]["warmup"], 0.1
 JOB = {"train": {"steps": 20}, "checkpoint": {"every": 10, "keep": 3}}

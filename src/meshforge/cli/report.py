@@ -44,8 +44,8 @@ def report_command(
     runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
     print(write_html(runs, out, cluster))
     if png:
-        from meshforge.observe.metrics import read_jsonl
         from meshforge.report.plots import plot_report
+        from meshforge.rundir.records import read_jsonl
 
         for run in runs:
             rows, reason = [], "its metrics.jsonl has no rows"

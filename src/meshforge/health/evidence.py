@@ -29,8 +29,8 @@ from typing import Any
 import yaml
 
 from meshforge.errors import MeshforgeError
-from meshforge.observe.metrics import tail_rows
 from meshforge.rundir.failures import recorded_failures
+from meshforge.rundir.records import tail_rows
 
 _OOM_TEXT = ("outofmemoryerror", "out of memory", "cannot allocate memory", "memoryerror")
 _TIMEOUT_TEXT = ("timed out", "timeout", "deadline exceeded")

@@ -380,7 +380,7 @@ def _given(argv: list[str], flag: str, env: str) -> bool:
 
 
 def _where_after_kill(run_dir: Path) -> str:
-    from meshforge.launch.rundir import committed_checkpoints
+    from meshforge.rundir.checkpoints import committed_checkpoints
 
     steps = committed_checkpoints(run_dir)
     if not steps:

@@ -46,9 +46,10 @@ import yaml
 
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
+from meshforge.rundir.checkpoints import TRAINER_STATE, committed_checkpoints, step_dir_name
+from meshforge.rundir.segments import SEGMENTS_FILE, read_records
 from meshforge.runtime import runlock
 from meshforge.train.schedule import lr_factor
-from meshforge.train.segments import SEGMENTS_FILE, read_records
 
 # What meshforge writes into a run directory, and `--fresh` removes: these entries
 # (glob patterns) at its top, and in each of its folders the entries named here; a
@@ -84,7 +85,6 @@ RUN_FOLDERS = {
     ".trace": ("rank-*.json",),
 }
 _MARKERS = ("config.yaml", "metrics.jsonl", "report.json", "checkpoints", SEGMENTS_FILE)
-_TRAINER_STATE = "trainer_state.json"  # train/checkpoint.py's TRAINER_STATE
 
 
 @dataclass
@@ -121,7 +121,7 @@ class EarlierRun:
         before horizons were recorded (as train/trainer.py does)."""
         if self.reached is None:
             return steps
-        state = _read(self.run_dir / "checkpoints" / _step_dir(self.reached) / _TRAINER_STATE,
+        state = _read(self.run_dir / "checkpoints" / step_dir_name(self.reached) / TRAINER_STATE,
                       json.loads)  # fmt: skip
         horizon = state.get("lr_horizon")
         return horizon if isinstance(horizon, int) and horizon > 0 else steps
@@ -145,36 +145,6 @@ def _read(path: Path, parse) -> dict[str, Any]:
     except (OSError, ValueError, yaml.YAMLError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _step_dir(step: int) -> str:
-    return f"step-{step:08d}"  # train/checkpoint.py's step_dir_name
-
-
-def _committed(directory: Path) -> bool:
-    """Its manifest is there and every file it names is there with its size."""
-    manifest = _read(directory / "manifest.json", json.loads)
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return False
-    try:
-        return all((directory / rel).stat().st_size == meta["bytes"] for rel, meta in files.items())
-    except (OSError, KeyError, TypeError):
-        return False
-
-
-def committed_checkpoints(run_dir: Path) -> list[int]:
-    """The steps of RUN_DIR's committed checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    steps = []
-    for p in root.glob("step-*") if root.is_dir() else []:
-        try:
-            step = int(p.name[5:])
-        except ValueError:
-            continue
-        if _committed(p):
-            steps.append(step)
-    return sorted(steps)
 
 
 def earlier_run(run_dir: Path) -> EarlierRun | None:

@@ -175,7 +175,7 @@ def _loss_text(value: Any) -> str:
 
 
 def segment_text(segment: dict[str, Any]) -> str:
-    """One segment of a run (report.json's `segments`, train/segments.py) in a line:
+    """One segment of a run (report.json's `segments`, rundir/segments.py) in a line:
     `steps 11-20 on 1 rank (dp=1 tp=1 pp=1 zero=0): completed`."""
     begun, last = segment.get("start_step") or 0, segment.get("end_step") or 0
     steps = f"steps {begun + 1}-{last}" if last > begun else f"no step (at step {last})"

@@ -28,10 +28,11 @@ import yaml
 from meshforge.errors import ConfigError, DataError, MeshforgeError
 from meshforge.fileio import write_text_atomic
 from meshforge.observe.console import segment_text
-from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.observe.metrics import latest_rows
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
 from meshforge.report.svg import Line, bar_chart, line_chart, stack_chart, tick
+from meshforge.rundir.records import read_jsonl
 from meshforge.units import format_bytes, format_duration, format_percent
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from typing import Any, TextIO
 import yaml
 
 from meshforge.errors import DataError
-from meshforge.observe.metrics import tail_rows
+from meshforge.rundir.records import tail_rows
 from meshforge.runtime import runlock
 from meshforge.units import format_bytes, format_duration, format_percent
 
@@ -115,7 +115,7 @@ def _flight_records(health: Path) -> dict[int, dict[str, Any] | None]:
 
 def _trailing_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The newest segment's rows, whose steps rise (a resumed run logs its steps again:
-    its rows carry the segment's number, train/segments.py)."""
+    its rows carry the segment's number, rundir/segments.py)."""
     run: list[dict[str, Any]] = []
     for row in reversed(rows):
         step = _num(row.get("step"))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import io
 import json
 import logging
@@ -54,108 +53,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from meshforge.errors import CheckpointError
+
+# the checkpoint's files, manifest and listing are the run directory's (torch-free);
+# these names stay importable from here (Fabric, tests)
+from meshforge.rundir.checkpoints import (  # noqa: F401
+    MANIFEST,
+    TRAINER_STATE,
+    find_latest_valid,
+    fsync_dir,
+    hash_own_files,
+    list_checkpoints,
+    prune,
+    step_dir_name,
+    verify,
+    write_manifest,
+)
 from meshforge.train.faults import fail_before_commit
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.json"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _file_entry(path: Path) -> dict[str, Any]:
-    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
-
-
-def hash_own_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Entries for the files this rank wrote: its DCP shards and its RNG state."""
-    own = [*directory.glob(f"__{rank}_*"), directory / f"rng-rank-{rank}.pt"]
-    return {p.name: _file_entry(p) for p in own if p.is_file()}
-
-
-def write_manifest(
-    directory: Path, step: int, hashed: dict[str, dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """The manifest over every file of `directory`; `hashed` holds entries the ranks
-    already computed, the rest are hashed here."""
-    hashed = dict(hashed or {})
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {}
-    for p in files:
-        rel = str(p.relative_to(directory))
-        entries[rel] = hashed.get(rel) or _file_entry(p)
-    manifest = {"format": "meshforge-checkpoint-v1", "step": step, "files": entries}
-    tmp = directory / (MANIFEST + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return manifest
-
-
-def verify(directory: Path) -> str | None:
-    """None when the checkpoint is complete and intact, else the reason it is not."""
-    mpath = directory / MANIFEST
-    if not mpath.exists():
-        return "no manifest"
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return "manifest is not valid JSON"
-    for rel, meta in files.items():
-        p = directory / rel
-        if not p.exists():
-            return f"missing file {rel}"
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
-            return f"checksum mismatch in {rel}"
-    return None
-
-
-def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    out = []
-    if ckpt_root.is_dir():
-        for p in ckpt_root.iterdir():
-            if p.is_dir() and p.name.startswith("step-"):
-                try:
-                    out.append((int(p.name[5:]), p))
-                except ValueError:
-                    continue
-    return sorted(out)
-
-
-def find_latest_valid(ckpt_root: Path, warn=log.warning) -> tuple[int, Path] | None:
-    for step, path in reversed(list_checkpoints(ckpt_root)):
-        problem = verify(path)
-        if problem is None:
-            return step, path
-        warn(f"skipping checkpoint {path.name}: {problem}")
-    return None
-
-
-def prune(ckpt_root: Path, keep: int) -> None:
-    for _, path in list_checkpoints(ckpt_root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -317,7 +232,7 @@ def commit_checkpoint_dir(
         if aside is not None:
             os.replace(aside, final)
         raise
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 

@@ -1,6 +1,6 @@
 """report.json of a run (schema in DESIGN.md); its page, report.html, is report/html.py's.
 
-The report covers the whole run, every segment of it (train/segments.py): the first
+The report covers the whole run, every segment of it (rundir/segments.py): the first
 loss is the run's first step's, rates, step time and the time breakdown are medians
 and sums over the latest row of every step actually trained (each segment's first
 logged interval, which includes its start-up, left out), and `segments` lists each
@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.observe.metrics import latest_rows
 from meshforge.observe.peak import PeakFlops
+from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.segments import launch_first_step, segments_of
 from meshforge.runtime.agree import count_nodes
-from meshforge.train.segments import launch_first_step, segments_of
 
 if TYPE_CHECKING:
     from meshforge.train.trainer import Trainer
@@ -338,8 +339,8 @@ def write_interrupted_report(
                 return False
     except (OSError, ValueError, AttributeError):
         pass
+    from meshforge.rundir.segments import close_segment, open_segment_number
     from meshforge.train.checkpoint import list_checkpoints
-    from meshforge.train.segments import close_segment, open_segment_number
     from meshforge.train.timing import RunTiming, launched_at
 
     segment = open_segment_number(run_dir)

@@ -36,7 +36,7 @@ from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.flight import FlightRecorder
 from meshforge.observe.memhealth import cuda_memory_stats, memory_advice
 from meshforge.observe.memory import peak_memory_bytes, tensor_bytes
-from meshforge.observe.metrics import JsonlSink, read_jsonl
+from meshforge.observe.metrics import JsonlSink
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
@@ -52,6 +52,8 @@ from meshforge.plan.core.flops import (
     training_flops_per_token,
 )
 from meshforge.rundir.failures import is_peer_failure, recorded_failures
+from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.segments import close_segment, mark_first_step, open_segment
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
 from meshforge.runtime.dist import Runtime
@@ -60,7 +62,6 @@ from meshforge.train.calibration import measure_profile
 from meshforge.train.checkpoint import Checkpointer
 from meshforge.train.engine import Engine
 from meshforge.train.report import build_report, write_report
-from meshforge.train.segments import close_segment, mark_first_step, open_segment
 from meshforge.train.step import StepResult, cross_entropy
 from meshforge.train.timing import RunTiming, launched_at, process_start
 
@@ -133,7 +134,7 @@ class Trainer:
         self.tp_comm_share: float | None = None
         self.sampler: SystemSampler | None = None  # the node's, on its first rank
         self.memory_advice: dict[str, str] = {}  # the newest advice of each kind
-        self.segment: int | None = None  # this segment's number (train/segments.py), rank 0
+        self.segment: int | None = None  # this segment's number (rundir/segments.py), rank 0
         # start-up, shutdown (train/timing.py); rank 0's marks are the report's
         self.timing = RunTiming(launched_at(), process_start(), rt.up_at)
 

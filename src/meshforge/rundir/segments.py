@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshforge.observe.metrics import read_jsonl
+from meshforge.rundir.records import read_jsonl
 
 SEGMENTS_FILE = "segments.jsonl"
 
