@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from meshforge.train.checkpoint import MANIFEST, hash_own_files, verify, write_manifest
+from meshforge.rundir.checkpoints import MANIFEST, hash_own_files, verify, write_manifest
 
 
 def _write(directory, name: str, data: bytes) -> None:
