@@ -62,3 +62,27 @@ def test_records_are_plain_json(tmp_path):
     record_failure(tmp_path, 4, KeyError("x"))
     data = json.loads(failure_path(tmp_path / "health", 4).read_text())
     assert set(data) == {"rank", "time", "error"}
+
+
+def test_a_restarts_cause_is_an_own_error_else_the_rank_that_said_nothing():
+    from meshforge.rundir.restarts import restart_cause
+
+    peer = {"rank": 0, "time": 1.0, "error": "RuntimeError: Connection closed by peer"}
+    own = {"rank": 1, "time": 2.0, "error": "ValueError: bad shard"}
+    assert restart_cause([peer, own], world_size=2) is own
+    silent = restart_cause([peer], world_size=3)  # ranks 1 and 2 recorded nothing
+    assert silent["rank"] == 1 and "without an error" in silent["error"]
+    both = [peer, {**peer, "rank": 1, "time": 0.5}]
+    assert restart_cause(both, world_size=2)["rank"] == 1  # all peers': the earliest
+
+
+def test_restart_gaps_pair_each_restart_with_its_resumption(tmp_path):
+    from meshforge.rundir.restarts import append_restart, restarts_of_run
+
+    append_restart(tmp_path, {"run_id": "a", "attempt": 1, "failed_at": 10.0})
+    append_restart(tmp_path, {"run_id": "b", "attempt": 1, "failed_at": 11.0})
+    append_restart(tmp_path, {"run_id": "a", "attempt": 1, "kind": "resumed", "resumed_at": 12.5})
+    (restart,) = restarts_of_run(tmp_path, "a")
+    assert restart["gap_s"] == 2.5 and restart["resumed_at"] == 12.5
+    assert restarts_of_run(tmp_path, None) == []
+    assert restarts_of_run(tmp_path, "b")[0]["gap_s"] is None  # not resumed (yet)

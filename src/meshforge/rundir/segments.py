@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.restarts import read_restarts
 
 SEGMENTS_FILE = "segments.jsonl"
 
@@ -114,9 +115,8 @@ def launch_first_step(run_dir: Path, run_id: str | None) -> float | None:
 def _reached_before_restart(run_dir: Path, start: dict[str, Any]) -> int | None:
     """The step a restarted segment had reached, as its restart recorded it
     (health/restarts.jsonl `reached_before`): it may have logged no row since."""
-    path = run_dir / "health" / "restarts.jsonl"
     attempt = (start.get("attempt") or 0) + 1
-    for entry in read_jsonl(path) if path.exists() else []:
+    for entry in read_restarts(run_dir):
         if entry.get("run_id") == start.get("run_id") and entry.get("attempt") == attempt:
             reached = entry.get("reached_before")
             if isinstance(reached, int):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.peak import PeakFlops
 from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.restarts import restarts_of_run
 from meshforge.rundir.segments import launch_first_step, segments_of
 from meshforge.runtime.agree import count_nodes
 
@@ -237,17 +238,7 @@ def comm_settings(p: Any) -> dict[str, Any] | None:
 
 def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:
     """The elastic restarts of the current launch (health/restarts.jsonl, this run id)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    path = Path(run_dir) / "health" / "restarts.jsonl"
-    rows = read_jsonl(path) if path.exists() else []
-    mine = [r for r in rows if run_id is not None and r.get("run_id") == run_id]
-    resumed = {r["attempt"]: r["resumed_at"] for r in mine if r.get("kind") == "resumed"}
-    restarts = [r for r in mine if r.get("kind") != "resumed"]
-    for r in restarts:  # the gap: the previous attempt's failure to this one's first step
-        r["resumed_at"] = resumed.get(r.get("attempt"))
-        failed = r.get("failed_at")
-        r["gap_s"] = r["resumed_at"] - failed if r["resumed_at"] and failed else None
-    return restarts
+    return restarts_of_run(run_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str, float] | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
@@ -51,8 +50,9 @@ from meshforge.plan.core.flops import (
     shape_of,
     training_flops_per_token,
 )
-from meshforge.rundir.failures import is_peer_failure, recorded_failures
+from meshforge.rundir.failures import recorded_failures
 from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.restarts import append_restart, restart_cause
 from meshforge.rundir.segments import close_segment, mark_first_step, open_segment
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.control import StopControl, set_collective_timeout
@@ -192,14 +192,7 @@ class Trainer:
         reached = previous.get("step") if previous.get("attempt") == attempt - 1 else None
         since = previous.get("started", 0.0)
         failures = [r for r in recorded_failures(self.run_dir / "health") if r["time"] >= since]
-        own = [r for r in failures if not is_peer_failure(r["error"])]
-        silent = sorted(set(range(self.rt.world_size)) - {r["rank"] for r in failures})
-        if own:  # a rank's own error, not a broken connection to a peer
-            cause = min(own, key=lambda r: r["time"])
-        elif silent:  # its peers saw the connection break; it recorded nothing
-            cause = {"rank": silent[0], "error": "ended without an error (killed by a signal?)"}
-        else:
-            cause = min(failures, key=lambda r: r["time"])
+        cause = restart_cause(failures, self.rt.world_size)
         entry = {
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
             "cause": {"rank": cause.get("rank"), "error": cause.get("error")},
@@ -213,10 +206,7 @@ class Trainer:
             "reached_before": reached,
             "steps_redone": None if reached is None else max(0, reached - (resumed_from or 0)),
         }
-        path = self.run_dir / "health" / "restarts.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        append_restart(self.run_dir, entry)
         self._warn(
             f"restart {attempt}: resumed from step {entry['resumed_from']}"
             + (f", redoing {entry['steps_redone']} step(s)" if reached is not None else "")
@@ -229,8 +219,7 @@ class Trainer:
             return
         entry = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "attempt": self.flight.attempt,
                  "kind": "resumed", "resumed_at": self.timing.first_step_at}  # fmt: skip
-        with (self.run_dir / "health" / "restarts.jsonl").open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        append_restart(self.run_dir, entry)
 
     def _resume(self) -> int | None:
         state = self.checkpointer.resume(self.rt.is_main)
