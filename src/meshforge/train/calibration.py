@@ -1,9 +1,9 @@
 """This machine, measured for the planner: the figures a run predicts itself with.
 
-`measure_profile` runs inside the trainer, on every rank together (it uses the live
-process group), under the run's own conditions (the same threads per worker, the other
-workers busy at the same moment). `plan.jobs.machine_fit` fits the figures into a
-`MachineProfile` and caches it for `parallel: auto`.
+`calibrate` runs before the trainer's `fit` (train/worker.py), on every rank together
+(it uses the live process group), under the run's own conditions (the same threads
+per worker, the other workers busy at the same moment). `plan.jobs.machine_fit` fits
+the figures into a `MachineProfile` and caches it for `parallel: auto`.
 
 compute     the peak: the cached big-matmul rate of this CPU for the dtype and thread
             count (`observe.peak`), or the GPU's datasheet figure; and the model's own
@@ -48,7 +48,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -96,6 +96,9 @@ from meshforge.plan.jobs.machine_fit import (
 from meshforge.train import calibration_cache
 from meshforge.train.optim import Optimizers
 from meshforge.train.step import cross_entropy, make_step
+
+if TYPE_CHECKING:
+    from meshforge.train.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -613,6 +616,33 @@ def _warm_up(cfg: JobConfig, device: torch.device) -> None:
 
 
 # -- the profile ----------------------------------------------------------------------------
+
+
+def calibrate(cfg: JobConfig, engine: Engine, device: torch.device) -> MeasuredProfile | None:
+    """This machine measured under the run's own layout, before `Trainer.fit`: its
+    whole step (tp 1, or a pipeline of tensor-parallel stages) or its model under
+    tensor parallelism alone, with the sharded-optimizer timing on the dp mesh when
+    it spans the world. None under a parameter server or a user's model: the planner
+    models neither. Collective."""
+    dims = engine.dims
+    if dims.parameter_server or cfg.model.is_factory:
+        return None
+    whole = not (dims.tp_enabled or dims.pp_enabled)
+    group = engine.mesh["dp"] if whole else None
+    return measure_profile(device, cfg.precision.dtype, group, cfg, layout_mesh=engine.mesh)
+
+
+def profile_line(details: dict[str, Any]) -> str:
+    """Where the machine figures behind report.json's `predicted` come from."""
+    load = details.get("load_average")
+    then = f", load average {load:.1f}" if load is not None else ""
+    if details.get("cached"):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(details.get("measured_at") or 0))
+        return (
+            f"machine profile from the cache (measured {when}{then}; now "
+            f"{os.getloadavg()[0]:.1f}; --recalibrate measures again)"
+        )
+    return f"machine profile measured{then}; cached for later runs of this job and layout"
 
 
 def measure_profile(

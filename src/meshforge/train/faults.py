@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 FAULT_ENV = "MESHFORGE_FAULT"
 
@@ -86,3 +87,36 @@ def maybe_kill_after_checkpoint(step: int, rank: int) -> None:
 def fail_before_commit(step: int) -> bool:
     spec = _spec()
     return bool(spec) and spec[0] == "before_commit" and int(spec[1]) == step
+
+
+class FaultHooks:
+    """The faults of MESHFORGE_FAULT that concern one rank, at the points of the
+    training loop where they strike (nothing at all when the variable is unset)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.slow = slow_factor(rank)
+
+    def before_forward(self, step: int) -> None:
+        maybe_oom(step, self.rank)
+
+    def slow_down(self, step_s: float) -> None:
+        """The `slow` fault: this rank's step took `slow` times as long."""
+        if self.slow > 1:
+            _busy(step_s, self.slow - 1)
+
+    def after_checkpoint(self, step: int) -> None:
+        maybe_kill_after_checkpoint(step, self.rank)
+
+    def after_step(self, step: int) -> None:
+        maybe_crash(step, self.rank)
+        maybe_kill(step, self.rank)
+        maybe_hang(step, self.rank)
+
+
+def _busy(seconds: float, factor: float) -> None:
+    """Burn `factor` x `seconds` of processor time (a slow device, not an idle one)."""
+    end = time.process_time() + seconds * factor
+    x = 0
+    while time.process_time() < end:
+        x += 1

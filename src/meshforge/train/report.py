@@ -15,6 +15,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +25,45 @@ from meshforge.rundir.records import read_jsonl
 from meshforge.rundir.restarts import restarts_of_run
 from meshforge.rundir.segments import launch_first_step, segments_of
 from meshforge.runtime.agree import count_nodes
+from meshforge.train.timing import RunTiming
 
 if TYPE_CHECKING:
-    from meshforge.train.trainer import Trainer
+    from meshforge.config import JobConfig
+    from meshforge.layout import ParallelDims
+    from meshforge.plan.core.flops import ParamCount
+    from meshforge.plan.jobs.machine_fit import MeasuredProfile
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    """What the report says of the run beside its rows and per-rank figures: the
+    trainer fills it in at the end of `fit` (Trainer.summary)."""
+
+    cfg: JobConfig
+    run_dir: Path
+    world_size: int
+    device: str
+    backend: str
+    layout: dict[str, Any]
+    dims: ParallelDims
+    params: ParamCount
+    flops_per_token: float
+    flops_convention: str  # what flops_per_token and mfu count
+    peak: PeakFlops
+    comm_method: str  # how exposed communication was measured
+    memory_advice: list[str]
+    stragglers: dict[int, float]  # rank -> worst slowdown seen
+    lr_horizon: int
+    attempt: int  # the elastic attempt
+    timing: RunTiming
+    machine_profile: MeasuredProfile | None = None
+    stopped: dict[str, Any] | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
 
 def _median(values: list[float]) -> float | None:
@@ -97,11 +132,10 @@ def history_figures(history: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_report(
+    summary: RunSummary,
     *,
-    trainer: Trainer,
     rows: list[dict[str, Any]],
     per_rank: list[dict[str, Any]],
-    peak: PeakFlops,
     resumed_from: int | None,
     last_checkpoint: int | None,
     val_loss: float | None,
@@ -110,24 +144,24 @@ def build_report(
     data_wait_s: float,
     segment: int | None = None,
 ) -> dict[str, Any]:
-    cfg = trainer.cfg
-    history = run_history(trainer.run_dir, rows, segment)
+    cfg, peak = summary.cfg, summary.peak
+    history = run_history(summary.run_dir, rows, segment)
     figures = history_figures(history)
     steady = history["steady"]
     report: dict[str, Any] = {
         "status": "completed",
         "name": cfg.name,
         "steps": cfg.train.steps,
-        "world_size": trainer.rt.world_size,
+        "world_size": summary.world_size,
         "nodes": count_nodes([r.get("host") for r in per_rank]),
         "hosts": [r.get("host") for r in per_rank],
-        "device": str(trainer.device),
-        "backend": trainer.rt.backend,
-        "layout": trainer.layout(),
-        "model_params": trainer.params.total,
-        "model_params_non_embedding": trainer.params.non_embedding,
-        "flops_per_token": trainer.flops_per_token,
-        "flops_convention": trainer.flops_convention,  # what flops_per_token and mfu count
+        "device": summary.device,
+        "backend": summary.backend,
+        "layout": summary.layout,
+        "model_params": summary.params.total,
+        "model_params_non_embedding": summary.params.non_embedding,
+        "flops_per_token": summary.flops_per_token,
+        "flops_convention": summary.flops_convention,
         "first_loss": figures["first_loss"],
         "final_loss": figures["final_loss"],
         "val_loss": val_loss,
@@ -146,53 +180,51 @@ def build_report(
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "memory_health": {
-            "advice": list(trainer.memory_advice.values()),
-            "cuda": [r.get("cuda_memory") for r in per_rank]
-            if trainer.device.type == "cuda"
-            else None,
+            "advice": summary.memory_advice,
+            "cuda": [r.get("cuda_memory") for r in per_rank] if summary.is_cuda else None,
         },
-        "pipeline": pipeline_summary(trainer, per_rank),
+        "pipeline": pipeline_summary(summary.dims, per_rank),
         # tensor-parallel collectives in one profiled step (rank 0), seconds and share
         "tp_comm": _tp_comm(history["rows"], figures["step_time_s"]),
-        "communication": communication(trainer, steady, per_rank),
-        "predicted": predicted_for(trainer),
+        "communication": communication(summary, steady, per_rank),
+        "predicted": predicted_for(summary.cfg, summary.world_size, summary.machine_profile),
         "resumed_from": resumed_from,
         "last_checkpoint": last_checkpoint,
         "final_param_digest": digest,
         # every segment's, crashed ones up to their last logged step (this one's alone
         # when there is no segment record)
         "wall_time_s": figures["wall_time_s"] if figures["segments"] else wall_s,
-        "lr_horizon": trainer.optimizers.lr_horizon,
+        "lr_horizon": summary.lr_horizon,
         "steps_trained": figures["steps_trained"],
         "segments": figures["segments"],
         "stragglers": [
             {"rank": r, "host": (per_rank[r].get("host") or {}).get("host"), "slowdown": x}
-            for r, x in sorted(trainer.stragglers.named.items())
+            for r, x in sorted(summary.stragglers.items())
         ],
     }
-    report["restarts"] = restarts_of_this_run(trainer.run_dir)
+    report["restarts"] = restarts_of_this_run(summary.run_dir)
     # written last but one: report_at is as close to the write as it can be
     launch_first = None
-    if trainer.flight.attempt > 0:  # an elastic restart: the launch started earlier
-        launch_first = launch_first_step(trainer.run_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
-    report["timing"] = trainer.timing.as_dict(time.time(), report["restarts"], launch_first)
-    if trainer.dims.parameter_server:
+    if summary.attempt > 0:  # an elastic restart: the launch started earlier
+        launch_first = launch_first_step(summary.run_dir, os.environ.get("TORCHELASTIC_RUN_ID"))
+    report["timing"] = summary.timing.as_dict(time.time(), report["restarts"], launch_first)
+    if summary.dims.parameter_server:
         from meshforge.parallel.param_server import summarise
 
         servers = [r["parameter_server"] for r in per_rank if r.get("parameter_server")]
-        report["parameter_server"] = summarise(servers, trainer.dims)
-    if trainer.stopped is not None:
+        report["parameter_server"] = summarise(servers, summary.dims)
+    if summary.stopped is not None:
         report["status"] = "stopped"
-        report["stopped"] = trainer.stopped
+        report["stopped"] = summary.stopped
     return report
 
 
 def communication(
-    trainer: Trainer, steady: list[dict[str, Any]], per_rank: list[dict[str, Any]]
+    summary: RunSummary, steady: list[dict[str, Any]], per_rank: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Exposed communication (seconds per step and share of the step, with how it was
     measured), bytes per step per rank, and what each host sent on the wire."""
-    p = trainer.cfg._parallel()
+    p = summary.cfg._parallel()
     step_s = _median([r.get("step_time_s") for r in steady])
     exposed = _median([r.get("comm_s") for r in steady])
     comm = [r.get("comm") or {} for r in per_rank]
@@ -211,7 +243,7 @@ def communication(
     return {
         "mode": p.mode,
         "settings": comm_settings(p),
-        "method": trainer.comm_method(),
+        "method": summary.comm_method,
         "exposed_s": exposed,
         "exposed_fraction": exposed / step_s if exposed is not None and step_s else None,
         "payload_bytes_per_step": [c.get("payload_bytes_per_step") for c in comm],
@@ -255,12 +287,11 @@ def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str,
     }
 
 
-def pipeline_summary(trainer: Trainer, per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:
+def pipeline_summary(dims: ParallelDims, per_rank: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The pipeline bubble measured on the run (each rank's idle share of the schedule's
     wall time, from the stages' own compute timings) beside the formula's value."""
     from meshforge.plan.core.timing import pipeline_bubble_fraction
 
-    dims = trainer.dims
     if not dims.pp_enabled:
         return None
     measured = [r["pipeline"]["bubble"] for r in per_rank if r.get("pipeline")]
@@ -277,18 +308,19 @@ def pipeline_summary(trainer: Trainer, per_rank: list[dict[str, Any]]) -> dict[s
     }
 
 
-def predicted_for(trainer: Trainer) -> dict[str, Any] | None:
-    """What the planner predicts for this run, on the profile the trainer measured of
-    this machine at the start of `fit` (None if it has none)."""
-    measured = getattr(trainer, "machine_profile", None)
+def predicted_for(
+    cfg: JobConfig, world_size: int, measured: MeasuredProfile | None
+) -> dict[str, Any] | None:
+    """What the planner predicts for this run, on the profile measured of this
+    machine before `fit` (train/calibration.py `calibrate`; None if it has none)."""
     if measured is None:
         return None
     try:
         from meshforge.plan.jobs.job import predict_for_job
 
         predicted = predict_for_job(
-            trainer.cfg,
-            trainer.rt.world_size,
+            cfg,
+            world_size,
             measured.profile,
             measured.runtime_bytes,
             measured.host,

@@ -83,6 +83,7 @@ def run_worker(
     from meshforge.plan.jobs.auto import resolve_open_decisions
     from meshforge.runtime.agree import agree_on_config
     from meshforge.runtime.dist import distributed
+    from meshforge.train.calibration import calibrate
     from meshforge.train.trainer import Trainer
 
     run_dir = Path(run_dir)
@@ -115,7 +116,9 @@ def run_worker(
                 run_dir, rt.rank, rt.world_size, o.flight_every_s, rt.device, o.flight
             ).start()
             try:
-                report = Trainer(cfg, run_dir, rt, flight).fit()
+                trainer = Trainer(cfg, run_dir, rt, flight)
+                # the machine measured for the planner's prediction (report.json)
+                report = trainer.fit(calibrate(cfg, trainer.engine, rt.device))
                 if report and after_report is not None:
                     after_report(run_dir)
             except BaseException as exc:
