@@ -20,7 +20,7 @@ MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
 def _wrapped(zero: int, micro: int) -> dict:
     import torch
 
-    from meshforge.parallel.data_parallel import build_mesh
+    from meshforge.parallel.mesh import data_parallel_mesh as build_mesh
     from meshforge.train.calibration import measure_wrapped_blocks
 
     cfg = build_config({"model": MODEL, "parallel": {"zero": zero},

@@ -108,7 +108,7 @@ class Fabric:
     def __enter__(self) -> Fabric:
         """Join the process group of the launcher that started this process (torchrun,
         ...), or use the one this process has initialised already (left as it is)."""
-        from meshforge.parallel.data_parallel import build_mesh
+        from meshforge.parallel.mesh import data_parallel_mesh
         from meshforge.runtime.dist import Runtime, choose_device, distributed
         from meshforge.runtime.env import detect_env
 
@@ -124,7 +124,7 @@ class Fabric:
             self._rt = stack.enter_context(distributed(s.device, s.backend, s.timeout_s))
         self._stack = stack
         try:
-            self._mesh = build_mesh(self._rt.device, self._rt.world_size)
+            self._mesh = data_parallel_mesh(self._rt.device, self._rt.world_size)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -353,7 +353,10 @@ class Fabric:
         anywhere raises the same CheckpointError on every rank and leaves what was at
         `path` as it was. An existing `path` is replaced only if it is a Fabric
         checkpoint."""
-        return fabric_checkpoint.save(self, path, state)
+        self._runtime()
+        return fabric_checkpoint.save(
+            path, state, self._pars, self._scaler, self._settings.strategy
+        )
 
     def load(
         self, path: str | os.PathLike, state: dict[str, Any] | None = None, *, strict: bool = True
@@ -369,7 +372,8 @@ class Fabric:
         A missing, incomplete or damaged checkpoint (its manifest's checksums) is
         refused with one CheckpointError line naming `path`; values are read as data
         only (no pickled code runs)."""
-        return fabric_checkpoint.load(self, path, state, strict)
+        self._runtime()
+        return fabric_checkpoint.load(path, state, strict, self._pars, self._scaler)
 
     # -- collectives and output ---------------------------------------------------------
     def all_reduce_mean(self, value: torch.Tensor | float) -> torch.Tensor:

@@ -36,15 +36,22 @@ from torch import nn
 from meshforge.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from meshforge.fabric.api import Fabric
     from meshforge.parallel.data_parallel import DataParallelModel
 
 FABRIC_INDEX = "fabric.json"  # what each top-level entry of a Fabric checkpoint is
 _SCALER_KEY = "_meshforge_scaler"  # the fp16 loss scaler's state, saved alongside
 
 
-def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Fabric.save: write `state` to the checkpoint directory `path` (collective)."""
+def save(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    pars: list[DataParallelModel],
+    scaler: Any,
+    strategy: str,
+) -> Path:
+    """Fabric.save: write `state` to the checkpoint directory `path` (collective).
+    `pars`: the models fabric.setup placed; `scaler`: its fp16 loss scaler or None;
+    `strategy`: the one named, recorded in the index."""
     from meshforge.train.checkpoint import (
         commit_checkpoint_dir,
         problem_from_rank0,
@@ -52,7 +59,6 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
         write_and_hash,
     )
 
-    fabric._runtime()
     if not isinstance(state, dict):
         raise ConfigError(f"fabric.save takes a dict of named values, not {type(state).__name__}")
     path = Path(path).absolute()
@@ -63,14 +69,14 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
             raise ConfigError(f"fabric.save: key {key!r} must be a non-empty str")
         if key == _SCALER_KEY:
             raise ConfigError(f"fabric.save: key {key!r} is meshforge's own (the fp16 scaler)")
-        kind = _kind(fabric._pars, key, obj)
+        kind = _kind(pars, key, obj)
         entries[key] = kind
-        to_write[key] = obj if kind == "value" else _state_of(fabric._pars, kind, obj)
+        to_write[key] = obj if kind == "value" else _state_of(pars, kind, obj)
         if kind != "module":  # a module's state is tensors; the rest must be data
             _check_plain_data(to_write[key], key)
-    if fabric._scaler is not None:
+    if scaler is not None:
         entries[_SCALER_KEY] = "scaler"
-        to_write[_SCALER_KEY] = fabric._scaler.state_dict()
+        to_write[_SCALER_KEY] = scaler.state_dict()
     rank = dist.get_rank()
     parent = path.parent
     tmp = parent / f".tmp-{path.name}"
@@ -97,7 +103,7 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
         index = {
             "format": "meshforge-fabric-v1",
             "entries": entries,
-            "strategy": fabric._settings.strategy,
+            "strategy": strategy,
             "world_size": dist.get_world_size(),
         }
         step = state.get("step")
@@ -111,14 +117,16 @@ def save(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> Path
 
 
 def load(
-    fabric: Fabric, path: str | os.PathLike, state: dict[str, Any] | None, strict: bool
+    path: str | os.PathLike,
+    state: dict[str, Any] | None,
+    strict: bool,
+    pars: list[DataParallelModel],
+    scaler: Any,
 ) -> dict[str, Any]:
     """Fabric.load: fill `state`'s objects from the checkpoint at `path` (collective);
-    returns the plain values saved."""
+    returns the plain values saved. `pars`, `scaler`: as for `save`."""
     from meshforge.train.checkpoint import SafeFileSystemReader, problem_from_rank0, read_dcp
 
-    fabric._runtime()
-    pars = fabric._pars
     path = Path(path).absolute()
     state = {} if state is None else state
     problem = problem_from_rank0(_load_problem(path) if dist.get_rank() == 0 else None)
@@ -158,7 +166,6 @@ def load(
             }
         template[key] = part
         objects[key] = (kind, obj)
-    scaler = fabric._scaler
     if entries.get(_SCALER_KEY) == "scaler" and scaler is not None:
         template[_SCALER_KEY] = scaler.state_dict()
     values = [k for k, kind in entries.items() if kind == "value"]

@@ -1,6 +1,9 @@
-"""Data parallelism and ZeRO stages for a user's own module (the Fabric API), on a
-one-dimensional DeviceMesh, all from torch.distributed. meshforge's own GPT is
-placed by parallel/parallelize.py, which composes the same stages with TP and PP.
+"""A user's own module placed for data parallelism under one ZeRO stage, with its
+optimizer and its state for checkpoints (the Fabric API), on a one-dimensional
+DeviceMesh. The placing is the trainer's: parallel/parallelize.py `wrap_data_parallel`
+wraps it (DDP, FSDP2 units) and its `ModelParts` controls the gradient sync and
+computes the gradient norm; this module adds what a user's training loop needs around
+it (the optimizer, ZeroRedundancyOptimizer under zero=1, the state dicts).
 
 zero=0  DDP: parameters, gradients and optimizer states replicated; gradients
         all-reduced in buckets (parallel.bucket_mb) overlapped with backward.
@@ -8,9 +11,11 @@ zero=1  DDP + ZeroRedundancyOptimizer: AdamW states sharded across dp ranks;
         each rank updates the parameters it owns and broadcasts them.
 zero=2  FSDP2 fully_shard per block with reshard_after_forward=False: gradients
         and optimizer states sharded, parameters gathered once per step and
-        kept unsharded from forward to the end of backward.
+        kept unsharded from forward to the end of backward (over the micro-batches
+        of an accumulated step too).
 zero=3  FSDP2 fully_shard per block, resharded after forward: parameters,
-        gradients and optimizer states sharded; a block is gathered when used.
+        gradients and optimizer states sharded; a block is gathered when used
+        (the root, whose forward ends where backward starts, stays gathered).
 
 The optimizer is AdamW from `OptimizerSettings` (meshforge's default), or the user's
 own: a callable `params -> Optimizer` called with the placed model's parameters, or an
@@ -30,7 +35,7 @@ rank its own parameters' state), so any stage and world size loads any other.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,16 +51,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
+from meshforge.config import CommConfig
 from meshforge.errors import ConfigError
 from meshforge.observe.memory import tensor_bytes
+from meshforge.parallel import parallelize
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # A user's optimizer as a callable: the placed model's parameters -> an Optimizer.
@@ -158,10 +163,6 @@ def _user_optimizer(
     return recipe.build(module, zero, group) if zero == 1 else built
 
 
-def build_mesh(device: torch.device, dp: int) -> DeviceMesh:
-    return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
-
-
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: weight decay on matrices only; biases and norm weights are not decayed."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
@@ -206,33 +207,26 @@ class DataParallelModel:
         meta = is_on_meta(module)
         if meta and device is None:
             raise ValueError("a module on the meta device needs the device to materialise it on")
-        if meta and zero <= 1:
-            _materialise(module, device, init)
-        if zero <= 1:
-            at = next(module.parameters()).device
-            self.model: nn.Module = DistributedDataParallel(
-                module,
-                device_ids=[at.index] if at.type == "cuda" else None,
-                process_group=mesh.get_group(),
-                bucket_cap_mb=bucket_mb,
-                gradient_as_bucket_view=True,
-            )
-        else:
-            mp = None
-            if dtype != "fp32":
-                mp = MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
-            kwargs = {"mesh": mesh, "reshard_after_forward": zero == 3}
-            if mp is not None:
-                kwargs["mp_policy"] = mp
-            if shard_units is None:
-                blocks = getattr(module, "blocks", [])
-                shard_units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
-            for unit in shard_units:
-                fully_shard(unit, **kwargs)
-            fully_shard(module, **kwargs)
-            if meta:  # only this rank's shards are ever allocated
-                _materialise(module, device, init)
-            self.model = module
+        if meta and init is None:
+            raise ValueError("a module on the meta device needs an init function")
+        at = device if device is not None else next(module.parameters()).device
+        if shard_units is None:  # the module's blocks, as parallelize places a GPT's
+            blocks = getattr(module, "blocks", [])
+            shard_units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+        kind = parallelize.data_parallel_kind(zero, mesh.size(), model_parallel=False)
+        self.parts = parallelize.wrap_data_parallel(
+            [module],
+            kind,
+            zero,
+            mesh,
+            dtype,
+            CommConfig(bucket_mb=bucket_mb),
+            at,
+            # under zero=2/3 after sharding: only this rank's shards are ever allocated
+            materialise=functools.partial(_materialise, device=at, init=init) if meta else None,
+            units=shard_units,
+        )
+        self.model: nn.Module = self.parts.callables[0]
         self.optimizer: torch.optim.Optimizer = self._build_optimizer(opt)
         self._names = {p: n for n, p in module.named_parameters()}
 
@@ -258,44 +252,26 @@ class DataParallelModel:
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """Autocast for DDP stages; FSDP stages cast through their mixed-precision policy."""
-        if self.dtype == "fp32" or self.zero >= 2:
-            return None
-        return _DTYPES[self.dtype]
+        return self.parts.autocast_dtype
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """Skip gradient reduction on all but the last micro-batch of a step."""
-        if enabled:
-            yield
-            return
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield
-            return
-        assert isinstance(self.module, FSDPModule)
-        self.module.set_requires_gradient_sync(False)
-        if self.zero == 2:
+        """Skip gradient reduction on all but the last micro-batch of a step; under
+        zero=2 the gathered parameters are kept over those micro-batches."""
+        keep = not enabled and self.zero == 2 and isinstance(self.module, FSDPModule)
+        if keep:
             self.module.set_reshard_after_backward(False)
         try:
-            yield
+            with self.parts.gradient_sync(enabled):
+                yield
         finally:
-            self.module.set_requires_gradient_sync(True)
-            if self.zero == 2:
+            if keep:
                 self.module.set_reshard_after_backward(True)
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
-        """The global L2 norm of the gradients; clips them to max_norm when max_norm > 0.
-
-        Under DDP/ZeRO-1 each rank holds full, identical gradients. Under FSDP the
-        norm of the sharded DTensor gradients is reduced across ranks first."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return total
+        """The global L2 norm of the gradients; clips them to max_norm when max_norm > 0
+        (the trainer's: DTensor gradients reduce their norm over their mesh)."""
+        return parallelize.grad_norm_and_clip(self.parts, max_norm, None)
 
     # -- state --------------------------------------------------------------------
     def _local_optimizer(self) -> torch.optim.Optimizer:
@@ -400,15 +376,12 @@ class DataParallelModel:
         return sum(_local(p).numel() for p in self.module.parameters())
 
     def param_digest(self) -> str:
-        """sha256 over every parameter gathered to a full fp32 tensor, in name order.
-
-        Collective under FSDP: every rank must call it."""
-        h = hashlib.sha256()
-        for name, p in sorted(self.module.named_parameters()):
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            h.update(name.encode())
-            h.update(full.detach().float().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        """sha256 over every parameter gathered to a full fp32 tensor, in name order
+        (parallelize.digest_of, the report's formula). Collective under FSDP."""
+        return parallelize.digest_of(
+            (name, p.full_tensor() if isinstance(p, DTensor) else p)
+            for name, p in self.module.named_parameters()
+        )
 
     def full_state_dict_on_cpu(self) -> dict[str, torch.Tensor]:
         """Full parameters (collective under FSDP)."""
@@ -423,11 +396,9 @@ def is_on_meta(module: nn.Module) -> bool:
 
 
 def _materialise(
-    module: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None
+    module: nn.Module, device: torch.device, init: Callable[[nn.Module], None]
 ) -> None:
     """Allocate a meta module's (local) storage on `device` and fill it with `init`."""
-    if init is None:
-        raise ValueError("a module on the meta device needs an init function")
     module.to_empty(device=device)
     with torch.no_grad():
         init(module)

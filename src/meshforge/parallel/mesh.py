@@ -14,3 +14,9 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     if dims.parameter_server:
         raise ValueError("a parameter-server layout has no device mesh")
     return init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(device: torch.device, dp: int) -> DeviceMesh:
+    """A one-dimensional ("dp",) mesh over the world: a Fabric user's model (or a timed
+    block of the planner's) has no other dimension to name."""
+    return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))

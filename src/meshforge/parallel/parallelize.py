@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from meshforge.config import JobConfig
+from meshforge.config import CommConfig, JobConfig
 from meshforge.errors import ConfigError
 from meshforge.layout import ParallelDims
 from meshforge.models.registry import (
@@ -180,7 +180,11 @@ def build_model_parts(
             m.tie_weights()
             m.init_weights(t.seed)
 
-    parts = wrap_data_parallel(modules, wrapper, dims.zero, mesh["dp"], cfg, device, materialise)
+    comm = cfg._parallel().comm
+    dtype = cfg.precision.dtype
+    parts = wrap_data_parallel(
+        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise
+    )
     parts.n_params = n_params
     return parts
 
@@ -190,19 +194,22 @@ def wrap_data_parallel(
     wrapper: str,
     zero: int,
     dp_mesh: DeviceMesh,
-    cfg: JobConfig,
+    dtype: str,
+    comm: CommConfig,
     device: torch.device,
     materialise: Callable[[nn.Module], None] | None = None,
+    units: list[nn.Module] | None = None,
 ) -> ModelParts:
-    """`modules` wrapped for data parallelism as the trainer wraps them (`wrapper`:
-    "ddp", "fsdp", "replicate" or "none"; parallel.comm's settings): FSDP units are
-    sharded before `materialise` (if given) runs on each module, DDP wraps after it.
-    train/calibration.py times a few of the job's blocks through this same function."""
-    p = cfg._parallel()
+    """`modules` wrapped for data parallelism (`wrapper`: "ddp", "fsdp", "replicate" or
+    "none"; `comm`: parallel.comm's settings): FSDP units are sharded before
+    `materialise` (if given) runs on each module, DDP wraps after it. `units`: the
+    submodules that become FSDP units of their own (default: the module's blocks).
+    The trainer's model, train/calibration.py's timed blocks and a Fabric user's
+    model (parallel/data_parallel.py) are all wrapped here."""
     if wrapper in ("fsdp", "replicate"):
-        mp = mixed_precision(cfg.precision.dtype, p.comm.reduce_dtype)
+        mp = mixed_precision(dtype, comm.reduce_dtype)
         for m in modules:
-            _shard(m, wrapper, zero, dp_mesh, mp, p.comm.prefetch)
+            _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units)
     if materialise is not None:
         for m in modules:
             materialise(m)
@@ -215,16 +222,16 @@ def wrap_data_parallel(
                 m,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=group,
-                bucket_cap_mb=p.comm.bucket_mb,
+                bucket_cap_mb=comm.bucket_mb,
                 gradient_as_bucket_view=True,
             )
             for m in modules
         ]
         for ddp in callables:
-            register_compression(ddp, p.comm, group)
-        if not p.comm.overlap:
-            deferred = FlatGradReduction(group, p.comm.bucket_mb)
-    return ModelParts(modules, callables, wrapper, cfg.precision.dtype, deferred)
+            register_compression(ddp, comm, group)
+        if not comm.overlap:
+            deferred = FlatGradReduction(group, comm.bucket_mb)
+    return ModelParts(modules, callables, wrapper, dtype, deferred)
 
 
 def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
@@ -261,6 +268,7 @@ def _shard(
     dp_mesh: DeviceMesh,
     mp: MixedPrecisionPolicy | None,
     prefetch: int | None,
+    units: list[nn.Module] | None = None,
 ) -> None:
     kwargs = {} if mp is None else {"mp_policy": mp}
     if wrapper == "replicate":
@@ -268,14 +276,15 @@ def _shard(
 
         replicate(m, mesh=dp_mesh, **kwargs)
         return
-    for block in blocks_of(m):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
+    units = blocks_of(m) if units is None else units
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=zero == 3, **kwargs)
     # The root (embeddings, final norm, head) keeps torch's default: not resharded after
     # forward, since backward starts with the head; resharding it would add an
     # all-gather that nothing can hide. ZeRO-2 keeps every unit gathered.
     fully_shard(m, mesh=dp_mesh, reshard_after_forward=None if zero == 3 else False, **kwargs)
     if prefetch is not None:
-        set_prefetch(m, blocks_of(m), prefetch)
+        set_prefetch(m, units, prefetch)
 
 
 # -- shared model-side operations -------------------------------------------------------

@@ -424,7 +424,8 @@ def measure_wrapped_blocks(
     seconds, optimizer = [], []
     for k in (1, 2):
         plain = step(blocks(k))
-        parts = wrap_data_parallel([blocks(k)], wrapper, zero, mesh, cfg, device)
+        p = cfg._parallel()
+        parts = wrap_data_parallel([blocks(k)], wrapper, zero, mesh, dtype, p.comm, device)
         seconds.append(_paired_difference(step(parts.callables[0], parts), plain, device, repeats))
         if zero == 1:  # ZeroRedundancyOptimizer: its shard's AdamW and every broadcast
             parts.callables[0](x).float().backward(grad)
@@ -462,7 +463,9 @@ def measure_tensor_parallel(
         )
         lm.tie_weights()
         wrapper = data_parallel_kind(p.zero, dp, model_parallel=True)
-        parts = wrap_data_parallel([lm], wrapper, p.zero, dp_mesh, cfg, device)
+        parts = wrap_data_parallel(
+            [lm], wrapper, p.zero, dp_mesh, cfg.precision.dtype, p.comm, device
+        )
 
         def run(parts: Any = parts) -> None:
             cast = parts.autocast_dtype  # FSDP and replicate cast through their policy
