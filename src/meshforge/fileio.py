@@ -52,11 +52,22 @@ def staged_directory(final: str | os.PathLike[str], replace: bool = False) -> It
             if aside is not None:
                 os.replace(aside, final)
             raise
-        _fsync(final.parent)
+        fsync_dir(final.parent)
         if aside is not None:
             _remove(aside)
     finally:
         _remove(stage)
+
+
+def fsync_dir(path: str | os.PathLike[str], best_effort: bool = False) -> None:
+    """Flush a directory's entries to disk (a file renamed into it or removed from it
+    survives a crash then). `best_effort`: a directory that cannot be opened or synced
+    (some file systems refuse) is passed over instead of raising OSError."""
+    try:
+        _fsync(Path(path))
+    except OSError:
+        if not best_effort:
+            raise
 
 
 def _fsync(path: Path) -> None:

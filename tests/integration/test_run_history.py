@@ -34,8 +34,9 @@ from helpers import (
 )
 from meshforge.config import load_config, save_config
 from meshforge.errors import ConfigError
-from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
+from meshforge.launch.rundir import check_earlier_run
 from meshforge.observe.metrics import latest_rows, read_jsonl
+from meshforge.rundir.files import remove_earlier_run
 from meshforge.rundir.segments import close_segment, open_segment, segments_of
 from meshforge.train.checkpoint import write_manifest
 from meshforge.train.report import write_interrupted_report

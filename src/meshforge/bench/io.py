@@ -53,6 +53,7 @@ import numpy as np
 
 from meshforge.bench.sizes import parse_size as parse_size
 from meshforge.errors import ConfigError, DataError
+from meshforge.rundir.report import read_report, report_path
 
 ORDERS = ("sequential", "random")
 MODES = ("threads", "processes")
@@ -473,15 +474,18 @@ def need_from_run(
     """A finished run's tokens/s per device (report.json), scaled to ``nodes`` x
     ``gpus_per_node`` devices (default: the run's own size)."""
     _cluster_size(nodes, gpus_per_node)
-    path = Path(run_dir) / "report.json"
+    path = report_path(run_dir)
     try:
-        report = json.loads(path.read_text())
+        report = read_report(run_dir)
+    except DataError:  # not readable, not JSON, not an object
+        raise ConfigError(f"{path}: no tokens_per_s and world_size in it") from None
+    if report is None:
+        raise ConfigError(f"--run {run_dir}: no report.json in it")
+    try:
         tokens_per_s = float(report["tokens_per_s"])
         world = int(report["world_size"])
         run_nodes = int(report.get("nodes") or 1)
-    except FileNotFoundError:
-        raise ConfigError(f"--run {run_dir}: no report.json in it") from None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         raise ConfigError(f"{path}: no tokens_per_s and world_size in it") from None
     if not tokens_per_s > 0 or world < 1:
         raise ConfigError(f"{path}: tokens_per_s and world_size must be > 0")

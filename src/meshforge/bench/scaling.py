@@ -37,6 +37,7 @@ from typing import Any
 
 from meshforge.config import apply_override, build_config, load_raw
 from meshforge.errors import ConfigError
+from meshforge.rundir.report import read_report
 
 MODES = ("weak", "strong")
 
@@ -216,8 +217,7 @@ def run_scaling(
         if proc.returncode == 2:  # bad input at this size: the train command said why
             message = (proc.stderr.strip().splitlines() or ["invalid input"])[-1]
             raise ConfigError(f"world size {n}: {message.removeprefix('meshforge: error: ')}")
-        report_path = run_dir / "report.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        report = read_report(run_dir) or {}
         if proc.returncode != 0 or report.get("status") != "completed":
             tail = (proc.stderr.strip().splitlines() or ["no error output"])[-1]
             rows.append(ScaleRow(n, batches[n], "failed", run_dir=str(run_dir), error=tail))

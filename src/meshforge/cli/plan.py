@@ -385,11 +385,10 @@ def _shape_dict(model: object) -> dict[str, object] | None:
 def _run_world_size(config: Path) -> int | None:
     """The ranks a run trained with, when CONFIG is a run directory's config.yaml (its
     report.json beside it says), else None."""
-    try:
-        report = json.loads((config.parent / "report.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = report.get("world_size") if isinstance(report, dict) else None
+    from meshforge.rundir.report import read_report_or_none
+
+    report = read_report_or_none(config.parent)
+    size = report.get("world_size") if report is not None else None
     return size if isinstance(size, int) and size >= 1 else None
 
 

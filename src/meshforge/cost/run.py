@@ -9,7 +9,6 @@ of the step during which GPUs wait on the network instead of computing).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from meshforge.cost.tco import Tco
 from meshforge.errors import ConfigError
 from meshforge.plan.core.predict import Prediction
+from meshforge.rundir.report import ReportError, read_report, report_path
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,17 @@ def run_cost_from_report(run_dir: str | Path, costs: Tco) -> RunCost:
     GPU-hours from the segments' world_size x wall_s (`run_usage`), else world_size x
     wall_time_s (or steps x step_time_s); the time_breakdown.exposed_comm fraction when
     the report has one."""
-    path = Path(run_dir) / "report.json"
+    path = report_path(run_dir)
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no report.json in it")
     try:
-        report = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ConfigError(f"{path}: not valid JSON") from None
-    if not isinstance(report, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+        report = read_report(run_dir)
+    except ReportError as exc:
+        if exc.problem == "not JSON":
+            raise ConfigError(f"{path}: not valid JSON") from None
+        raise ConfigError(str(exc)) from None  # "expected a JSON object", or an OSError
+    if report is None:  # removed since
+        raise ConfigError(f"--run {run_dir}: no report.json in it")
     gpus, wall_s, gpu_s = run_usage(report, str(path))
     steps = int(_number(report, "steps", str(path)))
     step_s = _number(report, "step_time_s", str(path))

@@ -78,6 +78,7 @@ from meshforge.data.tokenizer import (
     train_bpe,
 )
 from meshforge.errors import DataError
+from meshforge.fileio import fsync_dir
 
 __all__ = [
     "DEFAULT_SHARD_TOKENS",
@@ -466,19 +467,6 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
         raise
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------- prepare
 
 
@@ -754,7 +742,7 @@ def _commit(staging: Path, out_dir: Path, index: dict[str, Any], *, append: bool
     previous = _lenient_index(index_path)
     if not append:
         index_path.unlink(missing_ok=True)
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir, best_effort=True)
     names = {s["file"] for s in index["shards"]}
     entry = index["tokenizer"]
     tokenizer_file = entry.get("file") if isinstance(entry, dict) else None
@@ -768,9 +756,9 @@ def _commit(staging: Path, out_dir: Path, index: dict[str, Any], *, append: bool
     old_file = old_entry.get("file") if isinstance(old_entry, dict) else None
     if isinstance(old_file, str) and old_file != tokenizer_file and "/" not in old_file:
         (out_dir / old_file).unlink(missing_ok=True)  # the replaced index's tokenizer
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir, best_effort=True)
     _write_json_atomic(index_path, index)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir, best_effort=True)
 
 
 def _lenient_index(path: Path) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ import yaml
 from meshforge.errors import MeshforgeError
 from meshforge.rundir.failures import recorded_failures
 from meshforge.rundir.records import tail_rows
+from meshforge.rundir.report import read_report_or_none
 
 _OOM_TEXT = ("outofmemoryerror", "out of memory", "cannot allocate memory", "memoryerror")
 _TIMEOUT_TEXT = ("timed out", "timeout", "deadline exceeded")
@@ -200,7 +201,7 @@ def collect(
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
-    report = _read_json(run_dir / "report.json")
+    report = read_report_or_none(run_dir)
     agent = agent_failures or _read_json(health / "diagnosis.json")
     if agent is None and report and isinstance(report.get("failure"), dict):
         agent = report["failure"]

@@ -391,11 +391,13 @@ def _where_after_kill(run_dir: Path) -> str:
 def _where_to_resume(run_dir: Path, since: float) -> str:
     """What the user needs after a stop: the step the workers checkpointed, if they did
     (a report written since the launch says so)."""
-    path = run_dir / "report.json"
+    from meshforge.rundir.report import read_report_or_none, report_path
+
     try:
-        report = json.loads(path.read_text()) if path.stat().st_mtime >= since else {}
-    except (OSError, json.JSONDecodeError):
-        report = {}
+        fresh = report_path(run_dir).stat().st_mtime >= since
+    except OSError:
+        fresh = False
+    report = (read_report_or_none(run_dir) or {}) if fresh else {}
     stopped = report.get("stopped") if report.get("status") == "stopped" else None
     if stopped:
         return (

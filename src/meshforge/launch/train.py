@@ -16,8 +16,9 @@ from typing import Any
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import BUILTIN_PREFIX, check_source, load_tokens
 from meshforge.errors import ConfigError
-from meshforge.launch.rundir import check_earlier_run, remove_earlier_run
+from meshforge.launch.rundir import check_earlier_run
 from meshforge.plan.jobs.auto import resolve_parallel_auto
+from meshforge.rundir.files import remove_earlier_run
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:

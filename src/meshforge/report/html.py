@@ -16,7 +16,6 @@ report/svg.py.
 from __future__ import annotations
 
 import html
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
 from meshforge.report.svg import Line, bar_chart, line_chart, stack_chart, tick
 from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.report import read_report, report_path
 from meshforge.units import format_bytes, format_duration, format_percent
 
 if TYPE_CHECKING:
@@ -73,10 +73,10 @@ def load_run(run_dir: str | Path) -> Run:
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "no such run directory"
         raise DataError(f"{path}: {what}")
-    metrics, report_path = path / "metrics.jsonl", path / "report.json"
-    if not metrics.is_file() and not report_path.is_file():
+    metrics, report_file = path / "metrics.jsonl", report_path(path)
+    if not metrics.is_file() and not report_file.is_file():
         raise DataError(f"{path}: no metrics.jsonl nor report.json (not a meshforge run directory)")
-    report = _read_report(report_path) if report_path.is_file() else {}
+    report = (read_report(path) or {}) if report_file.is_file() else {}
     rows = latest_rows(_read_rows(metrics)) if metrics.is_file() else []
     config_path = path / "config.yaml"
     config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
@@ -89,16 +89,6 @@ def load_run(run_dir: str | Path) -> Run:
     name = report.get("name") or config.get("name") or path.resolve().name
     status = str(report.get("status") or "unknown") if report else _status_without_report(path)
     return Run(path, str(name), status, report, rows, config, config_text, system, notes)
-
-
-def _read_report(path: Path) -> dict[str, Any]:
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(report, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return report
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ import yaml
 
 from meshforge.errors import DataError
 from meshforge.rundir.records import tail_rows
+from meshforge.rundir.report import read_report_or_none, report_path
 from meshforge.runtime import runlock
 from meshforge.units import format_bytes, format_duration, format_percent
 
@@ -257,10 +258,10 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         if line.record is not None
     )
 
-    report = _read_json(run_dir / "report.json")
+    report = read_report_or_none(run_dir)
     if report is not None and start is not None:
         with contextlib.suppress(OSError):
-            if (run_dir / "report.json").stat().st_mtime < start - _CLOCK_SLACK_S:
+            if report_path(run_dir).stat().st_mtime < start - _CLOCK_SLACK_S:
                 report = None  # an earlier run's
     rows = tail_rows(run_dir / "metrics.jsonl")
     if report is not None and report.get("status") in FINAL_STATUSES:

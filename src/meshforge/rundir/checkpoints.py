@@ -32,14 +32,6 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def file_entry(path: Path) -> dict[str, Any]:
     return {"sha256": sha256_of(path), "bytes": path.stat().st_size}
 

@@ -46,10 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.rundir.files import LOCK_FILE, LOCK_FILES, WORKERS_LOCK_FILE
 
-LOCK_FILE = ".lock"
-WORKERS_LOCK_FILE = ".lock-workers"  # held by the workers of a launcher that holds .lock
-LOCK_FILES = (LOCK_FILE, WORKERS_LOCK_FILE)
 RUN_LOCK_HELD_ENV = "MESHFORGE_RUN_LOCK_HELD"
 JOB_ID_ENV = "MESHFORGE_JOB_ID"
 

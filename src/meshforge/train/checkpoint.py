@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from meshforge.errors import CheckpointError
+from meshforge.fileio import fsync_dir
 
 # the checkpoint's files, manifest and listing are the run directory's (torch-free);
 # these names stay importable from here (Fabric, tests)
@@ -60,7 +61,6 @@ from meshforge.rundir.checkpoints import (  # noqa: F401
     MANIFEST,
     TRAINER_STATE,
     find_latest_valid,
-    fsync_dir,
     hash_own_files,
     list_checkpoints,
     prune,

@@ -10,7 +10,6 @@ layout is the one they describe."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.peak import PeakFlops
 from meshforge.rundir.records import read_jsonl
+from meshforge.rundir.report import read_report_or_none, report_path, write_report
 from meshforge.rundir.restarts import restarts_of_run
 from meshforge.rundir.segments import launch_first_step, segments_of
 from meshforge.runtime.agree import count_nodes
@@ -332,13 +332,6 @@ def predicted_for(
         return {"error": str(exc)}
 
 
-def write_report(run_dir: Path, report: dict[str, Any]) -> None:
-    run_dir = Path(run_dir)
-    tmp = run_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, run_dir / "report.json")
-
-
 def write_failure_report(run_dir: Path, failure: dict[str, Any]) -> None:
     """report.json of a run whose workers failed: the last report's fields, the failure,
     and the whole-run figures up to the failure (its segment listed as crashed)."""
@@ -354,16 +347,15 @@ def write_interrupted_report(
     own report stands (they stopped with a checkpoint). Only a launcher that holds the
     run directory calls it, once its workers are gone."""
     run_dir = Path(run_dir)
-    path = run_dir / "report.json"
     try:
-        if path.stat().st_mtime >= launched:
-            status = json.loads(path.read_text()).get("status")
+        if report_path(run_dir).stat().st_mtime >= launched:
+            status = (read_report_or_none(run_dir) or {}).get("status")
             if status in ("stopped", "completed"):
                 return False
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         pass
+    from meshforge.rundir.checkpoints import list_checkpoints
     from meshforge.rundir.segments import close_segment, open_segment_number
-    from meshforge.train.checkpoint import list_checkpoints
     from meshforge.train.timing import RunTiming, launched_at
 
     segment = open_segment_number(run_dir)
@@ -387,15 +379,7 @@ def write_interrupted_report(
 def _update_report(run_dir: Path, fields: dict[str, Any]) -> None:
     """Rewrite report.json with the whole-run figures and `fields` over what it held."""
     run_dir = Path(run_dir)
-    path = run_dir / "report.json"
-    report: dict[str, Any] = {}
-    if path.exists():
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            report = {}
-    if not isinstance(report, dict):
-        report = {}
+    report = read_report_or_none(run_dir) or {}
     try:
         figures = history_figures(run_history(run_dir))
     except Exception as exc:  # the failure being reported matters more than its figures
@@ -404,6 +388,4 @@ def _update_report(run_dir: Path, fields: dict[str, Any]) -> None:
     if figures.get("segments"):
         report.update(figures)
     report.update(fields)
-    tmp = run_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    write_report(run_dir, report)

@@ -18,12 +18,13 @@ so they compare with metrics.jsonl's `time` fields.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from meshforge.rundir.report import read_report_or_none, write_report
 
 LAUNCHED_AT_ENV = "MESHFORGE_LAUNCHED_AT"
 
@@ -130,10 +131,8 @@ def record_exit(run_dir: Path, exited_at: float | None = None) -> None:
     """In the launcher, after its workers exited (completed, or stopped by a signal):
     complete report.json's `timing` with the exit (only a report this launch's workers
     wrote, and only when it has one)."""
-    path = Path(run_dir) / "report.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
+    report = read_report_or_none(run_dir)
+    if report is None:
         return
     timing = report.get("timing")
     if not isinstance(timing, dict) or timing.get("exited_at") is not None:
@@ -144,6 +143,4 @@ def record_exit(run_dir: Path, exited_at: float | None = None) -> None:
     timing["exited_at"] = exited_at
     last = timing.get("last_step_at")
     timing["shutdown_s"] = exited_at - last if last is not None else None
-    tmp = path.with_name("report.json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    write_report(run_dir, report)
