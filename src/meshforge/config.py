@@ -21,6 +21,7 @@ from pydantic import (
 from meshforge.errors import ConfigError
 from meshforge.layout import LayoutRequest, ModelShape, ParallelDims, check, derive, first_problem
 from meshforge.presets import preset
+from meshforge.redact import redact_tree
 
 
 class _Section(BaseModel):
@@ -711,8 +712,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(cfg: JobConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, every URL's credential replaced by `***`
+    (meshforge.redact): what a run records, shares or sends is never a secret. A redacted
+    `data.source` still names its data: the launcher, which read the job with the
+    credential, fills the remote-shard cache that the workers then read by that name."""
+    return yaml.safe_dump(redact_tree(cfg.model_dump(mode="json")), sort_keys=False)
 
 
 def save_config(cfg: JobConfig, path: str | Path) -> None:
+    """Write `dump_config(cfg)` (redacted) to `path`."""
     Path(path).write_text(dump_config(cfg))

@@ -61,6 +61,7 @@ import numpy as np
 from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards
 from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, TOKEN_DTYPE, VOCAB_SIZE, encode_bytes
 from meshforge.errors import DataError
+from meshforge.redact import is_redacted, redact_url
 
 BUILTIN_PREFIX = "builtin:"
 STDLIB_CORPUS = "builtin:python-stdlib"
@@ -336,8 +337,11 @@ def _filesystem(url: str) -> tuple[Any, str]:
 
 def remote_cache_path(url: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
     """Where the files of ``url`` are copied: ``cache_root`` (``data.cache_dir``; default
-    ``$MESHFORGE_CACHE/remote``) / its last path component + a hash of the URL."""
+    ``$MESHFORGE_CACHE/remote``) / its last path component + a hash of the URL. The URL
+    is taken redacted (meshforge.redact): a credential in it names no data, and the run's
+    config.yaml, which records it redacted, finds the same copy."""
     root = Path(cache_root).expanduser() if cache_root else cache_dir() / "remote"
+    url = redact_url(url)
     tail = url.rstrip("/").rsplit("/", 1)[-1]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:40] or "root"
     return root / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
@@ -424,7 +428,13 @@ def _index_files(index: Any, url: str) -> dict[str, str | None]:
 def fetch_remote(url: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
     """Copy the shard directory, ``.bin`` file or ``train.bin``/``val.bin`` directory at
     ``url`` into the cache (only the files missing or changed there) and return its local
-    path. A shard index is written last, so a cached index never lists a missing file."""
+    path. A shard index is written last, so a cached index never lists a missing file.
+
+    A redacted URL (its credential replaced by ``***``, as a run's config.yaml records it)
+    cannot reach its data: it names the copy that the launcher, which read the job with
+    the credential, made in the cache before the workers started."""
+    if is_redacted(url):
+        return _cached_copy(url, cache_root)
     fs, root = _filesystem(url)
     dest = remote_cache_path(url, cache_root)
     try:
@@ -466,6 +476,25 @@ def fetch_remote(url: str, cache_root: str | os.PathLike[str] | None = None) -> 
         detail = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise DataError(f"data.source {url}: {detail}") from None
     return dest
+
+
+def _cached_copy(url: str, cache_root: str | os.PathLike[str] | None) -> Path:
+    """The complete cached copy of a redacted URL's data (no remote is contacted)."""
+    dest = remote_cache_path(url, cache_root)
+    path = url.split("://", 1)[1].split("?", 1)[0].split("#", 1)[0].rstrip("/")
+    if path.endswith(".bin"):
+        candidates = [dest / posixpath.basename(path)]
+    else:  # a shard index is written last; train.bin comes first of a .bin directory
+        candidates = [dest / INDEX_NAME, dest / BIN_SPLITS[0]]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise DataError(
+            f"data.source {url}: its credential is redacted (a run never records one) and "
+            f"no launcher fetched it into {dest} on this host; pass the credential through "
+            "the environment (e.g. AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "FSSPEC_<PROTOCOL>_<OPTION>) with a URL that carries none"
+        )
+    return found if path.endswith(".bin") else dest
 
 
 # --------------------------------------------------------------------------- loading

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshforge.redact import redact_tree
+
 log = logging.getLogger(__name__)
 
 Warn = Callable[[str], None]
@@ -159,7 +161,7 @@ class WandbSink:
             id=run_id,
             resume="allow",
             dir=str(run_dir),
-            config=cfg.model_dump(mode="json"),
+            config=redact_tree(cfg.model_dump(mode="json")),  # no URL credential to W&B
             settings=wandb.Settings(silent=True, console="off"),
         )
         self.where = folder if w.mode == "offline" else self.run.url

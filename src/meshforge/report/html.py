@@ -30,6 +30,7 @@ from meshforge.observe.console import segment_text
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
+from meshforge.redact import redact_text
 from meshforge.report.svg import Line, bar_chart, line_chart, stack_chart, tick
 from meshforge.rundir.records import read_jsonl
 from meshforge.rundir.report import read_report, report_path
@@ -80,6 +81,8 @@ def load_run(run_dir: str | Path) -> Run:
     rows = latest_rows(_read_rows(metrics)) if metrics.is_file() else []
     config_path = path / "config.yaml"
     config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
+    if config_text is not None:  # a run of an older meshforge may have recorded a credential
+        config_text = redact_text(config_text)
     try:
         config = yaml.safe_load(config_text or "") or {}
     except yaml.YAMLError:

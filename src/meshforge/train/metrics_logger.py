@@ -25,6 +25,7 @@ from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
 from meshforge.observe.straggler import RANK_FIGURES, StragglerWatch, rank_figures
+from meshforge.redact import redact_url
 from meshforge.rundir.records import read_jsonl
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.dist import Runtime
@@ -228,7 +229,7 @@ class MetricsLogger:
             self.warn(
                 f"waiting for data: {share:.0%} of the step time "
                 f"(data.wait_warning {d.wait_warning:.0%}) reading "
-                f"{d.source}; more data.readers or data.prefetch, or "
+                f"{redact_url(d.source)}; more data.readers or data.prefetch, or "
                 "faster storage (meshforge bench io)"
             )
 

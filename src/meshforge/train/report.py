@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.peak import PeakFlops
+from meshforge.redact import redact_tree
 from meshforge.rundir.records import read_jsonl
 from meshforge.rundir.report import read_report_or_none, report_path, write_report
 from meshforge.rundir.restarts import restarts_of_run
@@ -216,7 +217,7 @@ def build_report(
     if summary.stopped is not None:
         report["status"] = "stopped"
         report["stopped"] = summary.stopped
-    return report
+    return redact_tree(report)  # no credential of a URL in report.json (meshforge.redact)
 
 
 def communication(
@@ -388,4 +389,4 @@ def _update_report(run_dir: Path, fields: dict[str, Any]) -> None:
     if figures.get("segments"):
         report.update(figures)
     report.update(fields)
-    write_report(run_dir, report)
+    write_report(run_dir, redact_tree(report))  # a failure's error text may quote a URL
