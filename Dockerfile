@@ -30,7 +30,18 @@ COPY src ./src
 # its pure-Python dependencies; the CLI is checked while building.
 RUN pip install --no-cache-dir . && meshforge --help > /dev/null
 
+# Jobs run as an unprivileged user, never root (uid/gid 1000: `meshforge submit k8s` runs
+# its pods as this uid with runAsNonRoot and a read-only root filesystem). It owns only its
+# home (caches) and /workspace; the installed code stays root's and read-only to it. (Ubuntu
+# 24.04 bases ship a user `ubuntu` with uid 1000: it goes.)
+RUN (userdel --remove ubuntu 2>/dev/null || true) \
+    && groupadd --gid 1000 meshforge \
+    && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/meshforge \
+       --shell /usr/sbin/nologin meshforge \
+    && mkdir -p /workspace && chown meshforge:meshforge /workspace
+
 # Relative run directories (runs/NAME) land here; mount shared storage at /workspace/runs.
 WORKDIR /workspace
+USER 1000:1000
 ENTRYPOINT ["meshforge"]
 CMD ["--help"]

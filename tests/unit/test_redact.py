@@ -36,8 +36,7 @@ CASES = [
     ),
     (
         "gs://b/d?token=t&api_key=k&AWSAccessKeyId=a&client_secret=c&password=p&monkey=1",
-        "gs://b/d?token=***&api_key=***&AWSAccessKeyId=***&client_secret=***&password=***"
-        "&monkey=1",
+        "gs://b/d?token=***&api_key=***&AWSAccessKeyId=***&client_secret=***&password=***&monkey=1",
     ),
     ("https://h/p#access_token=t&state=1", "https://h/p#access_token=***&state=1"),
 ]
@@ -71,8 +70,20 @@ def test_values_without_credentials_are_unchanged(value):
 
 @pytest.mark.parametrize(
     "name",
-    ["token", "Token", "access_token", "api-key", "apiKey", "X-Amz-Date", "x-goog-signature",
-     "sig", "secret", "AWSAccessKeyId", "pass%77ord", "password"],  # fmt: skip
+    [
+        "token",
+        "Token",
+        "access_token",
+        "api-key",
+        "apiKey",
+        "X-Amz-Date",
+        "x-goog-signature",
+        "sig",
+        "secret",
+        "AWSAccessKeyId",
+        "pass%77ord",
+        "password",
+    ],  # fmt: skip
 )
 def test_credential_like_parameter_names(name):
     assert is_credential_name(name)

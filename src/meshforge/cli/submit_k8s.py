@@ -51,6 +51,21 @@ def submit_k8s(
     pvc: Annotated[
         str | None, typer.Option("--pvc", help="PersistentVolumeClaim mounted at the run dir.")
     ] = None,
+    secrets: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--secret",
+            help="A Kubernetes Secret (its name) whose keys become the pods' environment "
+            "(WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...); repeatable.",
+        ),
+    ] = None,
+    service_account_token: Annotated[
+        bool,
+        typer.Option(
+            "--service-account-token",
+            help="Mount the service account's API token in the pods (off: they need none).",
+        ),
+    ] = False,
 ) -> None:
     """Write a ConfigMap and a Kubeflow PyTorchJob for CONFIG; apply them with --apply."""
     from meshforge.config import load_config
@@ -70,14 +85,17 @@ def submit_k8s(
         shm_size=shm_size,
         max_restarts=max_restarts,
         pvc=pvc,
+        secrets=secrets,
+        service_account_token=service_account_token,
     )
     if apply:
         k8s.require_kubectl()  # before anything is written
-    config_map, pytorch_job = k8s.build_manifests(cfg, job)
-    paths = k8s.write_manifests(config_map, pytorch_job, output or run_dir / "k8s")
-    name = pytorch_job["metadata"]["name"]
-    print(f"meshforge: wrote {paths[0]} (ConfigMap {config_map['metadata']['name']})")
-    print(f"meshforge: wrote {paths[1]} (PyTorchJob {name}: {k8s.describe(job)})")
+    manifests = k8s.build_manifests(cfg, job)
+    paths = k8s.write_manifests(manifests, output or run_dir / "k8s")
+    name = manifests.pytorch_job["metadata"]["name"]
+    for path, doc in zip(paths, manifests.files().values(), strict=True):
+        what = f": {k8s.describe(job)}" if doc is manifests.pytorch_job else ""
+        print(f"meshforge: wrote {path} ({doc['kind']} {doc['metadata']['name']}{what})")
     if not apply:
         print(f"meshforge: submit with: {k8s.shell_line(k8s.apply_command(paths))}")
         return

@@ -16,6 +16,15 @@ Field names follow the operator's v1 API (pkg/apis/kubeflow.org/v1/pytorch_types
 `nprocPerNode` is a string on the job spec, the container must be named `pytorch`, a
 Master has exactly one replica, and the job name must be a DNS-1035 label.
 
+Locked down by default (issue 26): every pod runs as the image's non-root user
+(uid/gid 1000) with no privilege escalation, no capabilities, the RuntimeDefault seccomp
+profile and a read-only root filesystem (what must be written gets an emptyDir: /tmp, the
+user's home for caches, the run directory unless a PVC holds it); no service-account
+token is mounted unless asked; a NetworkPolicy admits to the job's pods only the job's own
+pods; credentials come from Kubernetes Secrets named on the command line (`envFrom`), never
+from the manifests, and a job config that carries one (a URL with a password or a token) is
+refused, because a ConfigMap is not a secret.
+
 Building the manifests is pure; writing them and `kubectl apply` are the only side effects.
 """
 
@@ -34,6 +43,7 @@ import yaml
 
 from meshforge.config import JobConfig, dump_config
 from meshforge.errors import ConfigError
+from meshforge.redact import credential_fields
 
 API_VERSION = "kubeflow.org/v1"
 CONTAINER_NAME = "pytorch"  # the operator looks for a container of this name
@@ -47,6 +57,8 @@ DEFAULT_MAX_RESTARTS = 3  # elastic jobs only: worker-group restarts before the 
 SHM_GI_PER_PROCESS = 1  # /dev/shm cap: NCCL's shared-memory transport needs far less
 APPLY_TIMEOUT_S = 120.0
 MAX_LABEL = 63
+RUN_AS_UID = 1000  # the Dockerfile's `meshforge` user and group: a non-root uid the image has
+HOME = "/home/meshforge"  # its home: caches (meshforge's data cache, torch, W&B) land here
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -62,6 +74,7 @@ _NAME = rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
 _TAG = r"[\w][\w.-]{0,127}"
 _DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
 _REFERENCE = re.compile(rf"(?P<name>{_NAME})(?::{_TAG})?(?:@{_DIGEST})?", re.ASCII)
+_RESERVED_MOUNTS = frozenset({"/", CONFIG_DIR, "/dev/shm", "/tmp", HOME})
 _SHELL_META = (";", "&", "|", "$", "`", "(", ")", "<", ">", "'", '"', "\\", "*", "?", "!", "#")
 
 
@@ -85,6 +98,8 @@ class K8sJob:
     shm_size: str = "1Gi"
     max_restarts: int | None = None
     pvc: str | None = None
+    secrets: tuple[str, ...] = ()  # Kubernetes Secrets whose keys become the container's env
+    service_account_token: bool = False  # mount the service account's API token
 
 
 # -- validation ------------------------------------------------------------------
@@ -147,6 +162,30 @@ def job_name(config_name: str, max_nodes: int) -> str:
     return name[:room].rstrip("-")
 
 
+def check_secret_name(name: str) -> None:
+    """A Secret's name (DNS-1123 subdomain); a value given by mistake is refused, not
+    echoed: the message names the option, never what was passed."""
+    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise ConfigError(
+            "--secret takes the name of a Kubernetes Secret (a DNS-1123 name such as "
+            "training-credentials), never a credential itself: create the Secret with "
+            "kubectl create secret generic NAME --from-env-file=FILE"
+        )
+
+
+def check_no_credentials(cfg: JobConfig) -> None:
+    """The job config goes into a ConfigMap, which anyone who can read the namespace
+    reads: a credential in it (a URL's password or token) is refused."""
+    fields = credential_fields(cfg.model_dump(mode="json"))
+    if fields:
+        raise ConfigError(
+            f"{', '.join(fields)} carries a credential (a URL's password or token), and the "
+            "job config becomes a ConfigMap that is not secret: put the credential in a "
+            "Kubernetes Secret (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "WANDB_API_KEY), pass --secret NAME, and give the URL without it"
+        )
+
+
 def check_layout(cfg: JobConfig, worlds: list[int]) -> None:
     """The layout must fit every world size the job can run at (launch/train.py,
     check_worlds). A shard directory in `data.source` names storage inside the pods, so
@@ -172,9 +211,14 @@ def make_job(
     shm_size: str | None = None,
     max_restarts: int | None = None,
     pvc: str | None = None,
+    secrets: list[str] | None = None,
+    service_account_token: bool = False,
 ) -> K8sJob:
     """Check every command-line value and the layout; each problem is one ConfigError."""
     min_nodes, max_nodes, elastic = parse_nodes(nodes)
+    for name in secrets or []:
+        check_secret_name(name)
+    check_no_credentials(cfg)
     if gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be 0 (CPU-only pods) or more, got {gpus_per_node}")
     if gpus_per_node == 0:
@@ -209,6 +253,11 @@ def make_job(
         raise ConfigError(f"--pvc {pvc!r} is not a PersistentVolumeClaim name (DNS-1123)")
     if "\n" in run_dir or not run_dir.strip():
         raise ConfigError(f"--run-dir {run_dir!r} cannot be a path inside the pods")
+    if posixpath.normpath(posixpath.join(WORKDIR, run_dir)) in _RESERVED_MOUNTS:
+        raise ConfigError(
+            f"--run-dir {run_dir!r} is where the pods mount something else "
+            f"({', '.join(sorted(_RESERVED_MOUNTS))}): name a folder of its own"
+        )
     try:
         check_layout(cfg, [n * nproc for n in range(max_nodes, min_nodes - 1, -1)])
     except ConfigError as exc:
@@ -226,6 +275,8 @@ def make_job(
         shm_size=shm_size,
         max_restarts=max_restarts,
         pvc=pvc,
+        secrets=tuple(dict.fromkeys(secrets or [])),
+        service_account_token=service_account_token,
     )
 
 
@@ -252,12 +303,15 @@ def _container(job: K8sJob) -> dict[str, Any]:
             {"name": "NCCL_SOCKET_IFNAME", "value": job.iface},
             *env,
         ]
+    env.append({"name": "HOME", "value": HOME})  # whatever the image says: the writable one
     mounts = [
         {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        # the root filesystem is read-only: these are what a run writes outside its run dir
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": HOME},
+        {"name": "run-dir", "mountPath": posixpath.join(WORKDIR, job.run_dir)},
     ]
-    if job.pvc is not None:
-        mounts.append({"name": "run-dir", "mountPath": posixpath.join(WORKDIR, job.run_dir)})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": job.image,
@@ -268,7 +322,17 @@ def _container(job: K8sJob) -> dict[str, Any]:
         "env": env,
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        },
     }
+    if job.secrets:  # every key of each Secret becomes a variable; no value is written here
+        container["envFrom"] = [{"secretRef": {"name": name}} for name in job.secrets]
     if job.gpus_per_node:
         gpus = {"nvidia.com/gpu": job.gpus_per_node}
         container["resources"] = {"limits": dict(gpus), "requests": dict(gpus)}
@@ -283,22 +347,70 @@ def _replica(job: K8sJob, name: str, replicas: int, config_map: str) -> dict[str
         },
         # memory-backed: the container runtime's default /dev/shm (64 MiB) is too small for NCCL
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": job.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
+        # without a PVC the run directory lives (and dies) with the pod, as before
+        {"name": "run-dir", "persistentVolumeClaim": {"claimName": job.pvc}}
+        if job.pvc is not None
+        else {"name": "run-dir", "emptyDir": {}},
     ]
-    if job.pvc is not None:
-        volumes.append({"name": "run-dir", "persistentVolumeClaim": {"claimName": job.pvc}})
+    pod: dict[str, Any] = {
+        # no API token in the pods unless the job needs one (--service-account-token)
+        "automountServiceAccountToken": job.service_account_token,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "fsGroup": RUN_AS_UID,  # the volumes (a PVC too) are writable by that group
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(job)],
+        "volumes": volumes,
+    }
     return {
         "replicas": replicas,
         # a restarted pod can rejoin a c10d rendezvous, not a static one
         "restartPolicy": "OnFailure" if job.elastic else "Never",
-        "template": {
-            "metadata": {"labels": _labels(name)},
-            "spec": {"containers": [_container(job)], "volumes": volumes},
+        "template": {"metadata": {"labels": _labels(name)}, "spec": pod},
+    }
+
+
+def network_policy(job: K8sJob, name: str) -> dict[str, Any]:
+    """Ingress to the job's pods from the job's own pods only (by their labels), on any
+    port: the rendezvous port (23456) and the ports gloo and NCCL open for their
+    connections, which they pick at random from the ephemeral range (no option pins them).
+    Egress is left open (storage, W&B, DNS). It takes effect where the cluster's network
+    plugin enforces NetworkPolicies (Calico, Cilium, ...)."""
+    pods = {"matchLabels": _labels(name)}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(f"{name}-pods-only", job, name),
+        "spec": {
+            "podSelector": pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": pods}]}],
         },
     }
 
 
-def build_manifests(cfg: JobConfig, job: K8sJob) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ConfigMap, PyTorchJob) for `cfg` on `job`'s pods."""
+@dataclass(frozen=True)
+class Manifests:
+    config_map: dict[str, Any]
+    pytorch_job: dict[str, Any]
+    network_policy: dict[str, Any]
+
+    def files(self) -> dict[str, dict[str, Any]]:
+        """{file name: document}, in the order kubectl should apply them."""
+        return {
+            "configmap.yaml": self.config_map,
+            "networkpolicy.yaml": self.network_policy,  # before any pod exists
+            "pytorchjob.yaml": self.pytorch_job,
+        }
+
+
+def build_manifests(cfg: JobConfig, job: K8sJob) -> Manifests:
+    """ConfigMap, PyTorchJob and NetworkPolicy for `cfg` on `job`'s pods."""
     name = job_name(cfg.name, job.max_nodes)
     config_map_name = f"{name}-config"
     config_map = {
@@ -333,7 +445,7 @@ def build_manifests(cfg: JobConfig, job: K8sJob) -> tuple[dict[str, Any], dict[s
         "metadata": _metadata(name, job, name),
         "spec": spec,
     }
-    return config_map, pytorch_job
+    return Manifests(config_map, pytorch_job, network_policy(job, name))
 
 
 class _Dumper(yaml.SafeDumper):
@@ -369,14 +481,13 @@ def describe(job: K8sJob) -> str:
 # -- side effects -------------------------------------------------------------------
 
 
-def write_manifests(
-    config_map: dict[str, Any], pytorch_job: dict[str, Any], output: Path
-) -> list[Path]:
+def write_manifests(manifests: Manifests, output: Path) -> list[Path]:
+    paths = []
     try:
         output.mkdir(parents=True, exist_ok=True)
-        paths = [output / "configmap.yaml", output / "pytorchjob.yaml"]
-        for path, doc in zip(paths, (config_map, pytorch_job), strict=True):
-            path.write_text(to_yaml(doc))
+        for file_name, doc in manifests.files().items():
+            paths.append(output / file_name)
+            paths[-1].write_text(to_yaml(doc))
     except OSError as exc:
         raise ConfigError(f"cannot write manifests to {output}: {exc.strerror}") from None
     return paths
