@@ -176,7 +176,7 @@ def test_cpu_only_pods_ask_for_no_gpus(tmp_path):
     for pod in replica_pods(job).values():
         (container,) = pod["containers"]
         assert "resources" not in container
-        assert {e["name"] for e in container["env"]} == {"GLOO_SOCKET_IFNAME"}
+        assert {e["name"] for e in container["env"]} == {"GLOO_SOCKET_IFNAME", "HOME"}
 
 
 HOSTILE_IMAGES = ["mf;reboot", "mf:$(reboot)", "mf:`id`", "mf 1", "mf:'1'", 'mf"', "mf\nreboot"]
@@ -269,14 +269,15 @@ def fake_kubectl(folder: Path, script: str) -> dict[str, str]:
     return {"PATH": str(folder)}
 
 
-def test_apply_runs_kubectl_apply_on_both_manifests(tmp_path):
+def test_apply_runs_kubectl_apply_on_every_manifest_policy_before_pods(tmp_path):
     log = tmp_path / "kubectl.args"
     env = fake_kubectl(tmp_path / "bin", f'echo "$@" > {log}\necho "pytorchjob created"')
     proc = submit(tmp_path, "--nodes", "4", *GOOD_LAYOUT, "--apply", env=env)
     assert proc.returncode == 0, proc.stderr
     folder = tmp_path / "run" / "k8s"
-    files = [str(folder / "configmap.yaml"), str(folder / "pytorchjob.yaml")]
-    assert log.read_text().split() == ["apply", "-f", files[0], "-f", files[1]]
+    names = ["configmap.yaml", "networkpolicy.yaml", "pytorchjob.yaml"]
+    expected = ["apply", *[arg for n in names for arg in ("-f", str(folder / n))]]
+    assert log.read_text().split() == expected
     assert "pytorchjob created" in proc.stdout
 
 
@@ -288,6 +289,69 @@ def test_failed_apply_reports_kubectl_error_in_one_line_exit_1(tmp_path):
     proc = submit(tmp_path, "--nodes", "4", *GOOD_LAYOUT, "--apply", env=env)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"meshforge: kubectl apply failed: {error}"]
+
+
+# -- locked down (issue 26) -----------------------------------------------------------
+
+
+def test_secrets_service_account_token_and_the_network_policy_from_the_command_line(tmp_path):
+    proc = submit(
+        tmp_path,
+        *("--nodes", "2", *GOOD_LAYOUT, "--namespace", "ml"),
+        *("--secret", "wandb-key", "--secret", "s3-reader", "--service-account-token"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / "run" / "k8s"
+    (policy,) = yaml.safe_load_all((folder / "networkpolicy.yaml").read_text())
+    assert f"wrote {folder / 'networkpolicy.yaml'} (NetworkPolicy tiny-pods-only)" in proc.stdout
+    _, job = manifests(folder)
+    assert policy["metadata"]["namespace"] == "ml"
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+    for pod in replica_pods(job).values():
+        (container,) = pod["containers"]
+        assert selector.items() <= pod_labels(job, pod).items()
+        assert container["envFrom"] == [
+            {"secretRef": {"name": "wandb-key"}},
+            {"secretRef": {"name": "s3-reader"}},
+        ]
+        assert pod["automountServiceAccountToken"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def pod_labels(job: dict, pod: dict) -> dict:
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        if spec["template"]["spec"] is pod:
+            return spec["template"]["metadata"]["labels"]
+    raise AssertionError("not a pod of the job")
+
+
+def test_by_default_no_token_no_secret_and_no_root(tmp_path):
+    proc = submit(tmp_path, "--nodes", "2", *GOOD_LAYOUT)
+    assert proc.returncode == 0, proc.stderr
+    _, job = manifests(tmp_path / "run" / "k8s")
+    for pod in replica_pods(job).values():
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert "envFrom" not in pod["containers"][0]
+
+
+def test_a_credential_in_the_job_config_is_refused_and_not_echoed(tmp_path):
+    proc = submit(
+        tmp_path,
+        *("--nodes", "2", *GOOD_LAYOUT),
+        data={"source": "s3://AKIAEXAMPLE:s3cr3t-Pa55@bucket/shards"},
+    )
+    line = assert_one_line_error(proc, "data.source", "credential", "--secret")
+    assert "s3cr3t-Pa55" not in line + proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_secret_value_on_the_command_line_is_refused_and_not_echoed(tmp_path):
+    proc = submit(tmp_path, "--nodes", "2", *GOOD_LAYOUT, "--secret", "WANDB_API_KEY=abc123xyz")
+    line = assert_one_line_error(proc, "--secret", "name of a Kubernetes Secret")
+    assert "abc123xyz" not in line + proc.stdout
+    assert not (tmp_path / "run").exists()
 
 
 # -- the container image -------------------------------------------------------------
@@ -317,6 +381,17 @@ def test_dockerfile_builds_on_a_pinned_official_pytorch_cuda_image_and_installs_
     assert ("ENTRYPOINT", '["meshforge"]') in instructions
     env = " ".join(arg for op, arg in instructions if op == "ENV")
     assert "PYTHONUNBUFFERED=1" in env
+
+
+def test_the_image_runs_as_a_non_root_user_it_creates():
+    instructions = dockerfile_instructions()
+    users = [arg for op, arg in instructions if op == "USER"]
+    assert users == ["1000:1000"]  # the last USER wins: jobs never run as root
+    runs = " ".join(arg for op, arg in instructions if op == "RUN")
+    assert re.search(r"useradd --uid 1000 --gid 1000 ", runs)
+    assert [op for op, _ in instructions].index("USER") > max(
+        i for i, (op, _) in enumerate(instructions) if op == "RUN"
+    )  # installed as root, run as the user
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context():

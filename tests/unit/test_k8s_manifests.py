@@ -253,6 +253,7 @@ def test_no_manifest_holds_a_credential(tmp_path: Path):
     text = "".join(p.read_text() for p in paths)
     assert "kind: Secret" not in text and "stringData" not in text
     assert "secretRef" in text
+    assert "&id0" not in text  # plain YAML: no anchors and aliases for a reader to chase
 
 
 @pytest.mark.parametrize("run_dir", ["/", "/tmp", "/etc/meshforge", "/home/meshforge/", "/dev/shm"])

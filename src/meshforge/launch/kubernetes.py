@@ -449,7 +449,11 @@ def build_manifests(cfg: JobConfig, job: K8sJob) -> Manifests:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the job config) as readable literal blocks."""
+    """Multi-line strings (the job config) as readable literal blocks; a value used twice
+    is written twice, not as a YAML anchor and alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
