@@ -649,9 +649,7 @@ class _BoundedComposer(Composer):
             return super().compose_node(parent, index)
         self._depth += 1
         if self._depth > MAX_CONFIG_DEPTH:
-            raise _Bounds(
-                f"nested more than {MAX_CONFIG_DEPTH} levels deep (the limit, MAX_CONFIG_DEPTH)"
-            )
+            raise _Bounds(_too_deep())
         before = self._nodes
         node = super().compose_node(parent, index)
         self._depth -= 1
@@ -660,26 +658,33 @@ class _BoundedComposer(Composer):
         return node
 
 
-if hasattr(yaml, "CParser"):  # libyaml's parser where installed (fast), PyYAML's otherwise
-    from yaml import CParser as _Parser
+class _PyBoundedLoader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, Resolver):
+    """yaml.SafeLoader with the bounded composer (PyYAML's own parser, in Python)."""
 
-    class _BoundedLoader(_BoundedComposer, _Parser, SafeConstructor, Resolver):
+    def __init__(self, stream: str) -> None:
+        Reader.__init__(self, stream)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        _BoundedComposer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+
+
+_BoundedLoader: type = _PyBoundedLoader
+if yaml.__with_libyaml__:  # libyaml's parser where installed: scans ~50x faster
+    from yaml.cyaml import CParser
+
+    class _CBoundedLoader(_BoundedComposer, CParser, SafeConstructor, Resolver):
+        """yaml.CSafeLoader with the bounded composer: libyaml's events, composed here
+        (the composer comes first in the MRO, so CParser's own composing is not used)."""
+
         def __init__(self, stream: str) -> None:
-            _Parser.__init__(self, stream)
+            CParser.__init__(self, stream)
             _BoundedComposer.__init__(self)
             SafeConstructor.__init__(self)
             Resolver.__init__(self)
 
-else:  # pragma: no cover - PyYAML without libyaml
-
-    class _BoundedLoader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, Resolver):  # type: ignore[no-redef]
-        def __init__(self, stream: str) -> None:
-            Reader.__init__(self, stream)
-            Scanner.__init__(self)
-            Parser.__init__(self)
-            _BoundedComposer.__init__(self)
-            SafeConstructor.__init__(self)
-            Resolver.__init__(self)
+    _BoundedLoader = _CBoundedLoader
 
 
 def load_yaml_text(text: str, where: str) -> Any:
@@ -692,13 +697,27 @@ def load_yaml_text(text: str, where: str) -> Any:
             f"{where}: {size:,} bytes, more than a config may hold "
             f"({MAX_CONFIG_BYTES:,} bytes, the limit MAX_CONFIG_BYTES)"
         )
-    loader = _BoundedLoader(text)
+    return _load_bounded(text, where, _BoundedLoader)
+
+
+def _load_bounded(text: str, where: str, loader_type: type) -> Any:
+    loader = loader_type(text)
     try:
         return loader.get_single_data()
     except _Bounds as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        # libyaml has a nesting limit of its own (1000 flow levels), met while it scans
+        # ahead, before the composer counts: the same bound, said the same way
+        if "maximum nesting depth" in str(getattr(exc, "problem", "")):
+            raise ConfigError(f"{where}: {_too_deep()}") from None
+        raise
     finally:
         loader.dispose()
+
+
+def _too_deep() -> str:
+    return f"nested more than {MAX_CONFIG_DEPTH} levels deep (the limit, MAX_CONFIG_DEPTH)"
 
 
 def _is_union_tag(part: Any) -> bool:

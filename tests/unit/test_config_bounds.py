@@ -32,6 +32,16 @@ BILLION_LAUGHS = "\n".join(
 SHORT_LINE = 300  # an error line a person reads in one glance
 
 
+@pytest.fixture(params=["libyaml", "python"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each bound holds with libyaml's parser (used where installed) and PyYAML's own."""
+    if request.param == "python":
+        monkeypatch.setattr(config_module, "_BoundedLoader", config_module._PyBoundedLoader)
+    elif not hasattr(config_module, "_CBoundedLoader"):
+        pytest.skip("PyYAML without libyaml here")
+    return request.param
+
+
 def _refusal(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
     line = str(excinfo.value)
     assert "\n" not in line
@@ -39,7 +49,7 @@ def _refusal(excinfo: pytest.ExceptionInfo[ConfigError]) -> str:
     return line
 
 
-def test_the_billion_laughs_file_is_refused_in_one_short_line(tmp_path: Path) -> None:
+def test_the_billion_laughs_file_is_refused_in_one_short_line(tmp_path: Path, parser: str) -> None:
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(BILLION_LAUGHS)
     assert bomb.stat().st_size < 1024
@@ -50,7 +60,7 @@ def test_the_billion_laughs_file_is_refused_in_one_short_line(tmp_path: Path) ->
     assert f"{MAX_CONFIG_NODES:,}" in line
 
 
-def test_an_alias_bomb_in_set_model_kwargs_is_refused_naming_the_option() -> None:
+def test_an_alias_bomb_in_set_model_kwargs_is_refused_naming_the_option(parser: str) -> None:
     flow = "{" + BILLION_LAUGHS.replace("\n", ", ") + "}"
     with pytest.raises(ConfigError) as excinfo:
         load_config(None, ["model.name=pkg.mod:build", f"model.kwargs={flow}"])
@@ -70,7 +80,7 @@ def test_aliases_are_counted_where_they_are_used_not_where_they_are_defined(
         load_config(path)
 
 
-def test_a_few_aliases_still_load_as_yaml_gives_them(tmp_path: Path) -> None:
+def test_a_few_aliases_still_load_as_yaml_gives_them(tmp_path: Path, parser: str) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(
         "defaults: &d {steps: 3, lr: 0.01}\n"
@@ -82,7 +92,7 @@ def test_a_few_aliases_still_load_as_yaml_gives_them(tmp_path: Path) -> None:
     assert raw["model"]["kwargs"] == {"widths": [8, 16], "again": [8, 16]}
 
 
-def test_an_alias_inside_the_value_it_names_is_refused() -> None:
+def test_an_alias_inside_the_value_it_names_is_refused(parser: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(None, ["model.name=pkg.mod:build", "model.kwargs=&loop {me: *loop}"])
     assert "*loop" in _refusal(excinfo)
@@ -90,7 +100,7 @@ def test_an_alias_inside_the_value_it_names_is_refused() -> None:
 
 @pytest.mark.parametrize("brackets", ["[]", "{}"])
 def test_deep_nesting_is_refused_in_one_line_not_a_recursion_error(
-    tmp_path: Path, brackets: str
+    tmp_path: Path, brackets: str, parser: str
 ) -> None:
     opening, closing = brackets
     deep = tmp_path / "deep.yaml"
@@ -102,14 +112,14 @@ def test_deep_nesting_is_refused_in_one_line_not_a_recursion_error(
     assert str(deep) in line and "MAX_CONFIG_DEPTH" in line
 
 
-def test_block_style_nesting_is_bounded_too(tmp_path: Path) -> None:
+def test_block_style_nesting_is_bounded_too(tmp_path: Path, parser: str) -> None:
     deep = tmp_path / "deep.yaml"
     deep.write_text("".join(f"{'  ' * i}k{i}:\n" for i in range(MAX_CONFIG_DEPTH + 5)) + "\n")
     with pytest.raises(ConfigError, match="MAX_CONFIG_DEPTH"):
         read_yaml_file(deep)
 
 
-def test_nesting_within_the_limit_loads(tmp_path: Path) -> None:
+def test_nesting_within_the_limit_loads(tmp_path: Path, parser: str) -> None:
     depth = MAX_CONFIG_DEPTH - 3  # the job's mapping, model, kwargs, then this
     path = tmp_path / "job.yaml"
     path.write_text("model: {name: 'pkg.mod:build', kwargs: " + "{a: " * depth + "1"
@@ -189,3 +199,11 @@ def test_the_limits_are_stated_and_documented() -> None:
     for name in ("MAX_CONFIG_BYTES", "MAX_CONFIG_NODES", "MAX_CONFIG_DEPTH"):
         assert isinstance(getattr(config_module, name), int)
         assert name in docs
+
+
+def test_deep_nesting_in_set_is_refused_naming_the_option(parser: str) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["model.name=pkg.mod:build", f"model.kwargs={deep}"])
+    line = _refusal(excinfo)
+    assert line.startswith("--set model.kwargs:") and "MAX_CONFIG_DEPTH" in line
