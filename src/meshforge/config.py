@@ -634,8 +634,8 @@ class _BoundedComposer(Composer):
         self._nodes += n
         if self._nodes > MAX_CONFIG_NODES:
             raise _Bounds(
-                f"more than {MAX_CONFIG_NODES:,} values once aliases are expanded "
-                f"(the limit, MAX_CONFIG_NODES)"
+                f"more than {MAX_CONFIG_NODES:,} values, each alias counted where it is "
+                "used (the limit, MAX_CONFIG_NODES)"
             )
 
     def compose_node(self, parent: Any, index: Any) -> Any:
