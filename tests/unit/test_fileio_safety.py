@@ -173,3 +173,14 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
 def test_atomic_writer_only_writes_new_files() -> None:
     with pytest.raises(ValueError, match="mode"), atomic_writer("x", "a"):
         pass
+
+
+def test_a_link_at_the_old_report_temporary_name_is_not_written_through(
+    tmp_path: Path, victim: Path
+) -> None:
+    from meshforge.rundir.report import REPORT_TMP, read_report, write_report
+
+    (tmp_path / REPORT_TMP).symlink_to(victim)  # the fixed name the report once used
+    write_report(tmp_path, {"status": "completed"})
+    assert read_report(tmp_path) == {"status": "completed"}
+    _untouched(victim)
