@@ -5,7 +5,9 @@ into that file who holds it (host, pid, job id, since when), so a second job on 
 same directory is refused in one line that names the first. The kernel drops the lock
 when the holding process ends, however it ends, so a crashed job leaves no stale lock:
 the text left in the file is then only history. The check comes before anything is
-written; a refused job changes nothing in the directory.
+written; a refused job changes nothing in the directory. The lock files are opened
+through fileio (never through a symbolic link, created with the user's umask): a link
+planted at .lock is refused in one line, and the file it points to is left alone.
 
 Who holds it:
 - A launcher that runs the whole job from one process (`meshforge train` on one node,
