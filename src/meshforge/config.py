@@ -768,27 +768,29 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set expects KEY=VALUE, got {quote(assignment)}")
     path, value_text = assignment.split("=", 1)
-    path = shorten(path, MAX_QUOTED_CHARS)
     parts = path.strip().split(".")
+    shown = shorten(path.strip(), MAX_QUOTED_CHARS)  # the key as error lines quote it
     if not all(parts):
-        raise ConfigError(f"--set has an empty key in {path!r}")
+        raise ConfigError(f"--set has an empty key in {shown!r}")
     schema: type[BaseModel] = JobConfig
     node = raw
     for i, part in enumerate(parts):
         fields = schema.model_fields
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"--set {path}: no key '{part}' in {where}")
+            raise ConfigError(
+                f"--set {shown}: no key '{shorten(part, MAX_QUOTED_CHARS)}' in {where}"
+            )
         annotation = _section_type(fields[part].annotation)
         is_last = i == len(parts) - 1
         if is_last:
-            node[part] = _parse_scalar(value_text, f"--set {path.strip()}")
+            node[part] = _parse_scalar(value_text, f"--set {shown}")
             return
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+            raise ConfigError(f"--set {shown}: '{'.'.join(parts[: i + 1])}' is not a section")
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+            raise ConfigError(f"--set {shown}: '{'.'.join(parts[: i + 1])}' is not a section")
         node, schema = child, annotation
 
 

@@ -207,3 +207,10 @@ def test_deep_nesting_in_set_is_refused_naming_the_option(parser: str) -> None:
         load_config(None, ["model.name=pkg.mod:build", f"model.kwargs={deep}"])
     line = _refusal(excinfo)
     assert line.startswith("--set model.kwargs:") and "MAX_CONFIG_DEPTH" in line
+
+
+def test_a_huge_set_key_is_quoted_short() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["train." + "k" * 500_000 + "=1"])
+    line = _refusal(excinfo)
+    assert line.startswith("--set train.kkk") and "no key 'kkk" in line
