@@ -17,8 +17,16 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.events import AliasEvent
+from yaml.parser import Parser
+from yaml.reader import Reader
+from yaml.resolver import Resolver
+from yaml.scanner import Scanner
 
-from meshforge.errors import ConfigError
+from meshforge.errors import MAX_QUOTED_CHARS, ConfigError, quote, shorten, shorten_quoted
+from meshforge.fileio import write_text_atomic
 from meshforge.layout import LayoutRequest, ModelShape, ParallelDims, check, derive, first_problem
 from meshforge.presets import preset
 from meshforge.redact import redact_tree
@@ -591,6 +599,127 @@ def _check_trace_steps(spec: str, steps: int) -> None:
 
 # -- loading -----------------------------------------------------------------
 
+# Bounds on a config's YAML (a file, or one `--set` value), so that hostile or broken
+# input is refused in well under a second with one line, never expanded into memory.
+# A job file is a few kilobytes; a megabyte leaves room for a factory's kwargs and is
+# still scanned by libyaml in milliseconds.
+MAX_CONFIG_BYTES = 2**20
+# Values (mappings, lists, scalars, keys included) once every alias is expanded where it
+# is used: a job has about a hundred, a factory's kwargs perhaps thousands. Counting
+# alias uses refuses a "billion laughs" (aliases of aliases, ~1 KB that expand to
+# billions of values) after a few events, and keeps the resolved config.yaml small.
+MAX_CONFIG_NODES = 10_000
+# Nesting depth of mappings and lists: the schema is 3 levels deep and kwargs add a
+# few; composing, validating and dumping recurse per level, so a limit far below
+# Python's recursion limit (1000) turns deep nesting into one line, not a traceback.
+MAX_CONFIG_DEPTH = 32
+
+
+class _Bounds(Exception):
+    """A bound broken while composing YAML (the reason, without the source's name)."""
+
+
+class _BoundedComposer(Composer):
+    """PyYAML's composer, counting values as aliases expand and refusing deep nesting.
+
+    Every alias use adds the size of the subtree it names (computed once, when that
+    subtree was composed), so the count is what a reader of the loaded data would see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._nodes = 0
+        self._depth = 0
+        self._sizes: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
+
+    def _count(self, n: int) -> None:
+        self._nodes += n
+        if self._nodes > MAX_CONFIG_NODES:
+            raise _Bounds(
+                f"more than {MAX_CONFIG_NODES:,} values, each alias counted where it is "
+                "used (the limit, MAX_CONFIG_NODES)"
+            )
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(AliasEvent):
+            anchor = self.peek_event().anchor
+            target = self.anchors.get(anchor)
+            if target is not None:  # an unknown anchor: PyYAML's own error
+                if id(target) not in self._sizes:
+                    raise _Bounds(f"alias *{anchor} is used inside the value it names")
+                self._count(self._sizes[id(target)])
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_CONFIG_DEPTH:
+            raise _Bounds(_too_deep())
+        before = self._nodes
+        node = super().compose_node(parent, index)
+        self._depth -= 1
+        self._count(1)
+        self._sizes[id(node)] = self._nodes - before
+        return node
+
+
+class _PyBoundedLoader(Reader, Scanner, Parser, _BoundedComposer, SafeConstructor, Resolver):
+    """yaml.SafeLoader with the bounded composer (PyYAML's own parser, in Python)."""
+
+    def __init__(self, stream: str) -> None:
+        Reader.__init__(self, stream)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        _BoundedComposer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+
+
+_BoundedLoader: type = _PyBoundedLoader
+if yaml.__with_libyaml__:  # libyaml's parser where installed: scans ~50x faster
+    from yaml.cyaml import CParser
+
+    class _CBoundedLoader(_BoundedComposer, CParser, SafeConstructor, Resolver):
+        """yaml.CSafeLoader with the bounded composer: libyaml's events, composed here
+        (the composer comes first in the MRO, so CParser's own composing is not used)."""
+
+        def __init__(self, stream: str) -> None:
+            CParser.__init__(self, stream)
+            _BoundedComposer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+
+    _BoundedLoader = _CBoundedLoader
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """yaml.safe_load within the bounds above (MAX_CONFIG_BYTES, MAX_CONFIG_NODES,
+    MAX_CONFIG_DEPTH). A broken bound is a one-line ConfigError starting with WHERE (a
+    file, or `--set KEY`); a YAML syntax error is yaml.YAMLError, as from safe_load."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{where}: {size:,} bytes, more than a config may hold "
+            f"({MAX_CONFIG_BYTES:,} bytes, the limit MAX_CONFIG_BYTES)"
+        )
+    return _load_bounded(text, where, _BoundedLoader)
+
+
+def _load_bounded(text: str, where: str, loader_type: type) -> Any:
+    loader = loader_type(text)
+    try:
+        return loader.get_single_data()
+    except _Bounds as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        # libyaml has a nesting limit of its own (1000 flow levels), met while it scans
+        # ahead, before the composer counts: the same bound, said the same way
+        if "maximum nesting depth" in str(getattr(exc, "problem", "")):
+            raise ConfigError(f"{where}: {_too_deep()}") from None
+        raise
+    finally:
+        loader.dispose()
+
+
+def _too_deep() -> str:
+    return f"nested more than {MAX_CONFIG_DEPTH} levels deep (the limit, MAX_CONFIG_DEPTH)"
+
 
 def _is_union_tag(part: Any) -> bool:
     """pydantic names the union member a value was tried against in the error path."""
@@ -598,19 +727,24 @@ def _is_union_tag(part: Any) -> bool:
 
 
 def _format_validation_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
+    """The first error as one line naming the field; a value quoted back is cut short
+    (errors.quote), whatever its size."""
+    err = exc.errors(include_url=False)[0]
     # a union's member name (parallel: mapping | "auto") is not part of the user's path
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return f"unknown key '{loc}'"
+        return f"unknown key '{shorten(loc, MAX_QUOTED_CHARS)}'"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    msg = shorten_quoted(msg)
     if not loc or msg.startswith(f"{loc}."):  # the message names the field itself
         return msg
     value = err.get("input")
-    shown = "" if isinstance(value, dict) or repr(value) in msg else f" (got {value!r})"
-    return f"{loc}: {msg}{shown}"
+    shown = quote(value)
+    if isinstance(value, dict) or shown in msg:
+        return f"{loc}: {msg}"
+    return f"{loc}: {msg} (got {shown})"
 
 
 def _section_type(annotation: Any) -> Any:
@@ -621,10 +755,11 @@ def _section_type(annotation: Any) -> Any:
     return annotation
 
 
-def _parse_scalar(text: str) -> Any:
-    """Coerce an override value the way YAML would ('3' -> 3, 'true' -> True, 'null' -> None)."""
+def _parse_scalar(text: str, where: str) -> Any:
+    """Coerce an override value the way YAML would ('3' -> 3, 'true' -> True, 'null' ->
+    None), within the config bounds; text that is not YAML stays text."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text, where)
     except yaml.YAMLError:
         return text
 
@@ -632,28 +767,31 @@ def _parse_scalar(text: str) -> Any:
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `key.path=value` to a raw config dict, checking the path against the schema."""
     if "=" not in assignment:
-        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
+        raise ConfigError(f"--set expects KEY=VALUE, got {quote(assignment)}")
     path, value_text = assignment.split("=", 1)
     parts = path.strip().split(".")
+    shown = shorten(path.strip(), MAX_QUOTED_CHARS)  # the key as error lines quote it
     if not all(parts):
-        raise ConfigError(f"--set has an empty key in {path!r}")
+        raise ConfigError(f"--set has an empty key in {shown!r}")
     schema: type[BaseModel] = JobConfig
     node = raw
     for i, part in enumerate(parts):
         fields = schema.model_fields
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"--set {path}: no key '{part}' in {where}")
+            raise ConfigError(
+                f"--set {shown}: no key '{shorten(part, MAX_QUOTED_CHARS)}' in {where}"
+            )
         annotation = _section_type(fields[part].annotation)
         is_last = i == len(parts) - 1
         if is_last:
-            node[part] = _parse_scalar(value_text)
+            node[part] = _parse_scalar(value_text, f"--set {shown}")
             return
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+            raise ConfigError(f"--set {shown}: '{'.'.join(parts[: i + 1])}' is not a section")
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {path}: '{'.'.join(parts[: i + 1])}' is not a section")
+            raise ConfigError(f"--set {shown}: '{'.'.join(parts[: i + 1])}' is not a section")
         node, schema = child, annotation
 
 
@@ -665,14 +803,25 @@ def build_config(raw: dict[str, Any]) -> JobConfig:
 
 
 def read_yaml_file(path: str | Path, kind: str = "config file") -> Any:
-    """Parse a YAML file; every failure is a one-line ConfigError naming the file."""
+    """Parse a YAML file within the config bounds (load_yaml_text); every failure is a
+    one-line ConfigError naming the file. At most MAX_CONFIG_BYTES + 1 bytes are read."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{kind} not found: {path}")
     if path.is_dir():
         raise ConfigError(f"{kind} path is a directory, not a file: {path}")
     try:
-        return yaml.safe_load(path.read_text())
+        with open(path, "rb") as f:  # read bounded: a FIFO or /dev/zero has no size
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {kind} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: {kind} larger than {MAX_CONFIG_BYTES:,} bytes "
+            f"(the limit, MAX_CONFIG_BYTES); a job file is a few kilobytes"
+        )
+    try:
+        return load_yaml_text(data.decode("utf-8"), str(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -682,7 +831,7 @@ def read_yaml_file(path: str | Path, kind: str = "config file") -> Any:
         context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
         if problem and context and opened is not None:
             problem += f" ({' '.join(str(context).split())} at line {opened.line + 1})"
-        why = f": {problem}" if problem else ""
+        why = f": {shorten(problem, MAX_QUOTED_CHARS * 2)}" if problem else ""
         raise ConfigError(f"invalid YAML in {path}{where}{why}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{kind} is not UTF-8 text: {path}") from None
@@ -720,5 +869,6 @@ def dump_config(cfg: JobConfig) -> str:
 
 
 def save_config(cfg: JobConfig, path: str | Path) -> None:
-    """Write `dump_config(cfg)` (redacted) to `path`."""
-    Path(path).write_text(dump_config(cfg))
+    """Write `dump_config(cfg)` (redacted) to `path`, atomically, never through a link
+    at PATH."""
+    write_text_atomic(path, dump_config(cfg))

@@ -165,3 +165,42 @@ def test_bad_input_does_not_touch_an_existing_run(job_factory):
     assert_one_line_error(proc, "train.lr")
     after = {p: p.read_bytes() for p in job.run_dir.rglob("*") if p.is_file()}
     assert after == before
+
+
+# Bounded input (issue 26, part 4): each refused in one line naming the file and the limit.
+BILLION_LAUGHS = "\n".join(
+    ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    + [
+        f"{b}: &{b} [{','.join(['*' + a] * 9)}]"
+        for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "text, limit",
+    [
+        (BILLION_LAUGHS, "MAX_CONFIG_NODES"),
+        ("model:\n  kwargs: " + "[" * 5000 + "]" * 5000 + "\n", "MAX_CONFIG_DEPTH"),
+    ],
+    ids=["billion-laughs", "deep-nesting"],
+)
+def test_hostile_yaml_exits_2_with_one_line_naming_the_file_and_limit(tmp_path, text, limit):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(text)
+    run_dir = tmp_path / "run"
+    proc = meshforge(["train", str(bomb), "--run-dir", str(run_dir)], timeout=60)
+    line = assert_one_line_error(proc, str(bomb), limit)
+    assert len(line) < 300
+    assert not run_dir.exists()
+
+
+def test_an_alias_bomb_in_set_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(TINY_JOB))
+    flow = "{" + BILLION_LAUGHS.replace("\n", ", ") + "}"
+    proc = meshforge(
+        ["train", str(path), "--run-dir", str(tmp_path / "run"), "--set", f"model.kwargs={flow}"],
+        timeout=60,
+    )
+    assert_one_line_error(proc, "--set model.kwargs", "MAX_CONFIG_NODES")

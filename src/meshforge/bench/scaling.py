@@ -37,6 +37,7 @@ from typing import Any
 
 from meshforge.config import apply_override, build_config, load_raw
 from meshforge.errors import ConfigError
+from meshforge.fileio import atomic_writer, write_text_atomic
 from meshforge.rundir.report import read_report
 
 MODES = ("weak", "strong")
@@ -231,9 +232,7 @@ def write_outputs(result: ScaleResult, out_dir: Path) -> tuple[Path, Path | None
     """scale.json (atomically) and scale.png; the plot is skipped if it cannot be drawn."""
     out_dir = Path(out_dir)
     path = out_dir / "scale.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result.to_dict(), indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(result.to_dict(), indent=2))
     png = out_dir / "scale.png"
     try:
         plot_scaling(result, png)
@@ -268,6 +267,5 @@ def plot_scaling(result: ScaleResult, path: Path) -> None:
     ax2.axhline(100, color="#8c8c8c", linestyle="--", linewidth=1)
     ax2.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    with atomic_writer(path, "wb") as f:
+        fig.savefig(f, format="png")

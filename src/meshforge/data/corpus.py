@@ -47,11 +47,8 @@ import json
 import os
 import posixpath
 import re
-import socket
 import sys
 import sysconfig
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +58,7 @@ import numpy as np
 from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards
 from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, TOKEN_DTYPE, VOCAB_SIZE, encode_bytes
 from meshforge.errors import DataError
+from meshforge.fileio import atomic_writer, write_bytes_atomic
 from meshforge.redact import is_redacted, redact_url
 
 BUILTIN_PREFIX = "builtin:"
@@ -193,16 +191,9 @@ def _load_cached(path: Path) -> np.ndarray | None:
 
 def _save_atomic(path: Path, tokens: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, tokens)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # concurrent builders write identical bytes; last one wins
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # concurrent builders write identical bytes; last one wins
+    with atomic_writer(path, "wb", fsync=True) as f:
+        np.save(f, tokens)
 
 
 def stdlib_tokens(max_tokens: int = STDLIB_CORPUS_MAX_TOKENS) -> np.ndarray:
@@ -375,34 +366,16 @@ def _fetch_file(fs: Any, info: dict[str, Any], local: Path, sha256: str | None, 
     stamp = {"size": info.get("size"), "tag": _version_tag(info), "sha256": sha256}
     if _is_cached(local, stamp):
         return
-    unique = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    tmp = local.with_name(f".{local.name}.{unique}.tmp")
     digest = hashlib.sha256()
-    try:
-        with fs.open(info["name"], "rb") as src, open(tmp, "wb") as dst:
-            while chunk := src.read(_COPY_CHUNK_BYTES):
-                digest.update(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
+    with fs.open(info["name"], "rb") as src, atomic_writer(local, "wb", fsync=True) as dst:
+        while chunk := src.read(_COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            dst.write(chunk)
         if sha256 is not None and digest.hexdigest() != sha256:
             raise DataError(
                 f"data.source {url}: {local.name} does not match its sha256 in {INDEX_NAME}"
             )
-        os.replace(tmp, local)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _write_atomic(_sidecar(local), json.dumps(stamp).encode())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    unique = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    tmp = path.with_name(f".{path.name}.{unique}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_bytes_atomic(_sidecar(local), json.dumps(stamp).encode())
 
 
 def _index_files(index: Any, url: str) -> dict[str, str | None]:
@@ -469,7 +442,7 @@ def fetch_remote(url: str, cache_root: str | os.PathLike[str] | None = None) -> 
         if index_bytes is not None:
             index_path = dest / INDEX_NAME
             if not index_path.is_file() or index_path.read_bytes() != index_bytes:
-                _write_atomic(index_path, index_bytes)
+                write_bytes_atomic(index_path, index_bytes)
     except FileNotFoundError:
         raise DataError(f"data.source {url}: no such file or directory") from None
     except OSError as exc:

@@ -44,12 +44,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from meshforge.errors import DataError
+from meshforge.errors import DataError, shorten
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 DEFAULT_FIELD = "text"
 PIECE_CHARS = 2**20  # a document longer than this is tokenized in pieces (see Chunker)
 _READ_CHUNK_BYTES = 4 * 2**20
+# The longest JSON Lines line read. One line is one document, parsed whole by
+# json.loads (a few times its size in memory); the longest single documents of common
+# corpora (whole books) are a few megabytes, so 64 MiB refuses only input that is not
+# line-delimited at all (a JSON array on one line, a binary file), before it is held
+# in memory. Lines are read at most this many bytes at a time.
+MAX_JSONL_LINE_BYTES = 64 * 2**20
 _BATCH_ROWS = 1024
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _HF_JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -303,11 +309,28 @@ def _text_pieces(path: Path, report: ReadFn) -> Iterator[Piece]:
     yield chunker.finish(), True
 
 
+def _bounded_lines(f: Any, path: Path, limit: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a binary file, each line read at most LIMIT + 1 bytes at
+    a time: a longer line is a DataError naming it, raised before it is held whole."""
+    lineno = 0
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > limit and not (len(line) == limit + 1 and line.endswith(b"\n")):
+            raise DataError(
+                f"{path}:{lineno}: line longer than {limit:,} bytes (the limit, "
+                "MAX_JSONL_LINE_BYTES); is the file JSON Lines, one document per line?"
+            )
+        yield lineno, line
+
+
 def _jsonl_documents(path: Path, field: str, report: ReadFn) -> Iterator[str]:
     done = 0
     try:
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in _bounded_lines(f, path, MAX_JSONL_LINE_BYTES):
                 done += len(line)
                 if not line.strip():
                     continue
@@ -321,7 +344,7 @@ def _jsonl_documents(path: Path, field: str, report: ReadFn) -> Iterator[str]:
                         f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}"
                     )
                 if field not in record:
-                    keys = ", ".join(map(str, list(record)[:8])) or "none"
+                    keys = ", ".join(shorten(str(k), 40) for k in list(record)[:8]) or "none"
                     raise DataError(
                         f"{path}:{lineno}: no field {field!r} (fields: {keys}); "
                         "choose one with --field"

@@ -78,7 +78,7 @@ from meshforge.data.tokenizer import (
     train_bpe,
 )
 from meshforge.errors import DataError
-from meshforge.fileio import fsync_dir
+from meshforge.fileio import atomic_writer, fsync_dir
 
 __all__ = [
     "DEFAULT_SHARD_TOKENS",
@@ -449,22 +449,11 @@ def _pieces(
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes the file 0600: give it a plain file's mode (0644 under the usual
-        # umask), as the shards have, so other users of shared storage can read the index
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # a plain file's mode (0644 under the usual umask), as the shards have, so other
+    # users of shared storage can read the index
+    with atomic_writer(path, "w", fsync=True) as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
 
 
 # --------------------------------------------------------------------------- prepare

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from meshforge.errors import DataError
+from meshforge.fileio import write_bytes_atomic
 
 VOCAB_SIZE = 256
 TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16, the on-disk dtype of byte-token shards
@@ -208,16 +209,7 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, data, fsync=True)
 
 
 class BpeTokenizer:

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from meshforge.fileio import atomic_writer, open_lock_file
 from meshforge.plan.core.gpus import match_cuda_name
 
 
@@ -98,29 +98,24 @@ def _read_cache(path: Path) -> dict[str, dict]:
 
 
 def _write_cache_atomically(path: Path, data: dict[str, dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the new one, never half
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # readers see the old file or the new one, never half
+    with atomic_writer(path, "w", fsync=True) as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 @contextlib.contextmanager
 def _cache_lock(path: Path) -> Iterator[None]:
     # Ranks on one machine start together: the first measures, the others wait
     # and read its figure instead of measuring on cores that are already busy.
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    lock = open_lock_file(path.with_name(path.name + ".lock"))
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        os.close(lock)
 
 
 @contextlib.contextmanager

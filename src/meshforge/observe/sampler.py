@@ -39,6 +39,8 @@ from typing import Any
 
 import psutil
 
+from meshforge.fileio import open_nofollow
+
 log = logging.getLogger(__name__)
 
 _LOOPBACK = 772  # ARPHRD_LOOPBACK, /sys/class/net/IF/type
@@ -313,7 +315,7 @@ class SystemSampler:
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                    self._fd = os.open(self.path, flags, 0o644)
+                    self._fd = open_nofollow(self.path, flags)  # umask mode, no link
                 written = 0
                 try:
                     while written < len(data):

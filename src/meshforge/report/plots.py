@@ -14,6 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from meshforge.fileio import atomic_writer
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
@@ -117,9 +118,5 @@ def plot_report(records: list[dict[str, Any]], out_png: str | os.PathLike[str]) 
 
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        figure.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_writer(out, "wb") as f:
+        figure.savefig(f, format="png", dpi=100)

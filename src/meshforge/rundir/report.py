@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import DataError
+from meshforge.fileio import write_text_atomic
 
 REPORT_FILE = "report.json"
-REPORT_TMP = REPORT_FILE + ".tmp"  # the atomic write's, caught halfway by a crash
+REPORT_TMP = REPORT_FILE + ".tmp"  # older versions' atomic write, caught halfway by a crash
 
 
 class ReportError(DataError):
@@ -35,10 +36,7 @@ def report_path(run_dir: str | os.PathLike[str]) -> Path:
 
 def write_report(run_dir: str | os.PathLike[str], report: dict[str, Any]) -> None:
     """Replace report.json at once: a reader sees the old report or the new one."""
-    path = report_path(run_dir)
-    tmp = path.with_name(REPORT_TMP)
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(report_path(run_dir), json.dumps(report, indent=2))
 
 
 def read_report(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

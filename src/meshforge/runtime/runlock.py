@@ -5,7 +5,9 @@ into that file who holds it (host, pid, job id, since when), so a second job on 
 same directory is refused in one line that names the first. The kernel drops the lock
 when the holding process ends, however it ends, so a crashed job leaves no stale lock:
 the text left in the file is then only history. The check comes before anything is
-written; a refused job changes nothing in the directory.
+written; a refused job changes nothing in the directory. The lock files are opened
+through fileio (never through a symbolic link, created with the user's umask): a link
+planted at .lock is refused in one line, and the file it points to is left alone.
 
 Who holds it:
 - A launcher that runs the whole job from one process (`meshforge train` on one node,
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.fileio import SymlinkRefused, open_lock_file, read_text_nofollow
 from meshforge.rundir.files import LOCK_FILE, LOCK_FILES, WORKERS_LOCK_FILE
 
 RUN_LOCK_HELD_ENV = "MESHFORGE_RUN_LOCK_HELD"
@@ -165,14 +168,18 @@ class RunDirLock:
         return self._fd is not None
 
     def _open(self) -> int:
-        """The lock file's descriptor (created if need be; nothing else is written)."""
+        """The lock file's descriptor (created if need be, with the user's umask; nothing
+        else is written). A symbolic link planted at the lock path is refused: locking
+        and truncating through it would write the file it points to."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(
                 f"cannot use run directory {self.run_dir}: it is a file, not a directory"
             )
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return open_lock_file(self.path)
+        except SymlinkRefused as exc:
+            raise ConfigError(f"cannot use run directory {self.run_dir}: {exc}") from None
         except OSError as exc:
             raise ConfigError(
                 f"cannot use run directory {self.run_dir}: {exc.strerror or exc}"
@@ -264,10 +271,15 @@ def hold_run_dir(
     return RunDirLock(run_dir, job_id, warn).acquire(wait_same_job_s)
 
 
+# A holder record is one short JSON line; a lock file is never read further than this.
+_HOLDER_MAX_BYTES = 4096
+
+
 def read_holder(run_dir: Path, name: str = LOCK_FILE) -> Holder | None:
-    """Who holds (or last held) RUN_DIR, from its lock file NAME; None if unknown."""
+    """Who holds (or last held) RUN_DIR, from its lock file NAME; None if unknown (also
+    when NAME is a symbolic link, which is never read through)."""
     try:
-        return Holder.parse((Path(run_dir) / name).read_text())
+        return Holder.parse(read_text_nofollow(Path(run_dir) / name, _HOLDER_MAX_BYTES))
     except OSError:
         return None
 
@@ -285,9 +297,11 @@ def check_run_dir_free(run_dir: Path, job_id: str | None = None) -> None:
 def _check_free(run_dir: Path, name: str, job_id: str | None) -> None:
     """Raise RunDirInUse if a job other than `job_id` holds the lock file NAME."""
     try:
-        fd = os.open(run_dir / name, os.O_RDWR | os.O_CLOEXEC)
+        fd = open_lock_file(run_dir / name, create=False)
     except OSError:
-        return  # no lock file: nobody has ever held it (or it cannot be locked at all)
+        # no lock file: nobody has ever held it (or it cannot be locked at all); a
+        # symbolic link there holds nothing, and whoever takes the lock refuses it
+        return
     try:
         start = time.monotonic()
         while True:
@@ -324,7 +338,7 @@ def is_held(run_dir: Path) -> bool | None:
 
 def _probe(path: Path) -> bool | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_lock_file(path, readonly=True, create=False)
     except OSError:
         return None
     try:

@@ -15,15 +15,14 @@ one); an unreadable file is measured over, never an error.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict
 from typing import Any
 
+from meshforge.fileio import atomic_writer
 from meshforge.plan.jobs.auto import HostCosts, cache_dir, cpu_model_name
 from meshforge.plan.jobs.machine_fit import ComputeAtSize, MachineMeasurements
 
@@ -100,15 +99,10 @@ def save(key: str, m: MachineMeasurements, when: float, runtime_bytes: float | N
         data[key] = {"measured_at": when, "measurements": asdict(m)}
         if runtime_bytes is not None:
             data[key]["runtime_bytes"] = runtime_bytes
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{CACHE_FILE}.")
-        with os.fdopen(fd, "w") as f:
+        with atomic_writer(root / CACHE_FILE, "w") as f:
             json.dump(data, f, indent=1)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / CACHE_FILE)
     except OSError as exc:
         log.warning("could not cache the machine measurements: %s", exc)
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
 
 
 def from_dict(d: dict[str, Any]) -> MachineMeasurements:

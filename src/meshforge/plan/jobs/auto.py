@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 
 from meshforge.config import JobConfig, ParallelConfig, build_config
 from meshforge.errors import ConfigError
+from meshforge.fileio import atomic_writer
 from meshforge.plan.core.cluster import build_cluster
 from meshforge.plan.core.flops import shape_of
 from meshforge.plan.core.hardware import Cluster
@@ -111,15 +111,8 @@ def save_cached_profile(key: str, profile: MachineProfile, extra: dict[str, Any]
     except (OSError, ValueError):
         data = {}
     data[key] = {"profile": profile.to_dict(), "measured_unix_s": time.time(), **extra}
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=PROFILE_CACHE_FILE + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_writer(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 # -- which machine to plan for --------------------------------------------------------------
