@@ -101,25 +101,30 @@ def _state_key(secret: bytes, run_id: str) -> bytes:
     return hmac.new(secret, b"meshforge rendezvous state\0" + run_id.encode(), "sha256").digest()
 
 
+class _Forbidden(pickle.UnpicklingError):
+    pass
+
+
 class _StateUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Forbidden(f"{module}.{name}")
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a persistent id")
+        raise _Forbidden("a persistent id")
 
 
 def check_state_types(state: bytes) -> str | None:
     """None when the pickle `state` refers to nothing but a rendezvous state's types (then
-    unpickling it runs no code of anyone's choosing), else what it refers to."""
+    unpickling it runs no code of anyone's choosing), else what it refers to: the first
+    other global (e.g. `posix.system`), or "an unreadable pickle"."""
     try:
         _StateUnpickler(io.BytesIO(state)).load()
-    except pickle.UnpicklingError as exc:
-        return str(exc) or "an invalid pickle"
-    except Exception as exc:  # noqa: BLE001 - any failure to read it is a refusal
-        return f"an unreadable pickle ({type(exc).__name__})"
+    except _Forbidden as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any failure to read it is a refusal
+        return "an unreadable pickle"
     return None
 
 
@@ -258,7 +263,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> DynamicRendezvousHandl
         params.local_addr,
         RendezvousTimeout(
             timeout("join"), timeout("last_call"), timeout("close"), timeout("heartbeat")
-        ),  # fmt: skip
+        ),
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5),  # type: ignore[arg-type]
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),  # type: ignore[arg-type]
     )
@@ -326,15 +331,3 @@ def unsigned_warning(endpoint: str) -> str:
         "still refuses a state that holds anything but rendezvous data. Set "
         f"{SECRET_ENV} to the same random value on every node (e.g. `openssl rand -hex 32`)"
     )
-
-
-def refusal(exc: BaseException) -> RendezvousRefused | None:
-    """The RendezvousRefused behind `exc` (itself, or what it was raised from)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, RendezvousRefused):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
