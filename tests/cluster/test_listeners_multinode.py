@@ -96,8 +96,8 @@ def test_listeners_and_a_forged_rendezvous_state(tmp_path, secret):
             # host's interface address: none on every interface, none elsewhere
             for h, p in zip(job_hosts, procs, strict=True):
                 seen = listeners(p.pid)
-                owners = {pid for pid, _, _ in seen}
-                assert len(owners) >= 2, seen  # the check saw the workers' listeners
+                workers = {pid for pid, _, _ in seen} - {p.pid}
+                assert workers, seen  # the check saw the worker's listeners (gloo, ...)
                 assert {addr for _, addr, _ in seen} == {h.addr}, (h.name, seen)
             served = listeners(procs[0].pid)
             assert (procs[0].pid, job_hosts[0].addr, port) in served, served  # the store
