@@ -124,6 +124,8 @@ def test_a_pickled_payload_is_refused_before_unpickling(tmp_path, monkeypatch, s
     assert ("not signed" if secret else "posix.mkdir") in line, line
     time.sleep(0.2)
     assert not marker.exists()
+    pickle.loads(evil)  # what torch's agent does with the state: the payload is live
+    assert marker.exists()
 
 
 def test_signatures_between_nodes(monkeypatch):
@@ -158,10 +160,10 @@ def test_the_allowlist_admits_a_real_state_only():
     state = _RendezvousState()
     node = _NodeDesc("h", 1, 0)
     state.participants, state.wait_list = {node: 0}, {node}
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
-    state.last_heartbeats = {node: datetime.now(timezone.utc)}
-    state.deadline = datetime.now(timezone.utc)
+    state.last_heartbeats = {node: datetime.now(UTC)}
+    state.deadline = datetime.now(UTC)
     assert rendezvous.check_state_types(pickle.dumps(state)) is None
     assert rendezvous.check_state_types(pickle.dumps(_Payload("x"))) == "posix.mkdir"
     assert rendezvous.check_state_types(b"not a pickle") == "an unreadable pickle"
@@ -179,3 +181,29 @@ def test_secure_puts_a_single_node_on_loopback(tmp_path):
     assert multi.local_addr is None
     static = launch_config(1, NodeSpec(nnodes=2, master_addr="10.9.0.1"), tmp_path)
     assert static.rdzv_backend == rendezvous.STATIC
+
+
+def test_launch_pins_a_single_node_to_loopback_and_warns_unsigned_nodes(monkeypatch):
+    from meshforge.launch.local import _listeners
+    from meshforge.launch.torchrun import parse_launch_args
+
+    for key in list(os.environ):
+        if key.startswith("PET_") or key in ("MESHFORGE_IFACE", rendezvous.SECRET_ENV):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")
+    single = parse_launch_args(["job.yaml", "--nproc", "2"])
+    _listeners(single)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "lo"
+    assert any("loopback only" in n and "eth9" in n for n in single.notes), single.notes
+    assert not single.warnings
+    flags = ["job.yaml", "--nnodes", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", "192.0.2.77:29400", "--rdzv-conf", "is_host=0"]  # fmt: skip
+    multi = parse_launch_args(flags)
+    _listeners(multi)
+    unsigned = [w for w in multi.warnings if rendezvous.SECRET_ENV in w]
+    assert len(unsigned) == 1 and "192.0.2.77:29400" in unsigned[0], multi.warnings
+    monkeypatch.setenv(rendezvous.SECRET_ENV, "s")
+    keyed = parse_launch_args(flags)
+    _listeners(keyed)
+    assert not [w for w in keyed.warnings if rendezvous.SECRET_ENV in w]

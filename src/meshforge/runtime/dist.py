@@ -4,6 +4,12 @@ The device is chosen at run time: CUDA with NCCL when a GPU is present, else CPU
 with gloo. The group is created with a configurable timeout and always
 destroyed on exit, also when training raises.
 
+The group's store is made here rather than by init_process_group's env://, so that
+global rank 0's store listens on one address (MASTER_ADDR's own, runtime/listen.py),
+not on every interface; when every rank of the job is on this host and meets on
+loopback, gloo's and NCCL's listeners are kept on loopback too (docs/cluster.md,
+"Trust model").
+
 A finished run leaves in this order (`leave_together`), so that a rank that has
 finished exits 0. gloo runs each collective on a worker thread of its own, which drops
 its reference to the finished work only after the caller has moved on; when that
