@@ -207,3 +207,17 @@ def test_launch_pins_a_single_node_to_loopback_and_warns_unsigned_nodes(monkeypa
     keyed = parse_launch_args(flags)
     _listeners(keyed)
     assert not [w for w in keyed.warnings if rendezvous.SECRET_ENV in w]
+
+
+def test_a_name_on_loopback_here_listens_on_the_job_interface(monkeypatch):
+    """A host name that resolves to loopback on this host only (Debian's 127.0.1.1),
+    while the job names its interface: the store listens on that interface's address."""
+    monkeypatch.setattr(listen, "own_address", lambda host: "127.0.1.1")
+    monkeypatch.setattr(listen.netif, "ipv4_of", lambda iface: "10.9.0.5")
+    assert listen.store_address("node0", environ={"GLOO_SOCKET_IFNAME": "eth1"}) == "10.9.0.5"
+    assert listen.store_address("node0", environ={}) == "127.0.1.1"
+    # an explicit loopback address stays loopback (every node on this host)
+    monkeypatch.setattr(listen, "own_address", lambda host: "127.0.0.1")
+    assert listen.store_address("127.0.0.1", environ={"GLOO_SOCKET_IFNAME": "eth1"}) == (
+        "127.0.0.1"
+    )

@@ -125,18 +125,23 @@ def store_address(
     host: str, what: str = "MASTER_ADDR", environ: Mapping[str, str] | None = None
 ) -> str:
     """The address a store reached at `host` listens on (`what` names `host` in the
-    error): `host`'s own address, else (a name or address that is not this host's: a NAT
-    or a service address) the address of the job's interface (GLOO_SOCKET_IFNAME); a
-    ConfigError when neither is known."""
+    error): `host`'s own address, else the address of the job's interface
+    (GLOO_SOCKET_IFNAME) when `host` is not this host's (a NAT or a service address) or
+    is a name that resolves to loopback here only (Debian's 127.0.1.1 for the host name,
+    while the job names a cluster interface); a ConfigError when neither is known."""
     env = os.environ if environ is None else environ
     addr = own_address(host)
-    if addr is not None:
-        return addr
     iface = env.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    if iface:
-        found = netif.ipv4_of(iface)
-        if found is not None:
-            return found
+    iface_addr = netif.ipv4_of(iface) if iface else None
+    if addr is not None and not (
+        netif.is_loopback(addr)
+        and not netif.is_loopback(host)
+        and iface_addr is not None
+        and not netif.is_loopback(iface_addr)
+    ):
+        return addr
+    if iface_addr is not None:
+        return iface_addr
     raise ConfigError(
         f"{what} {host} is not an address of this host, so this node cannot tell where "
         "the store it serves should listen (on one address, never on every interface): "
