@@ -71,7 +71,9 @@ def launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
         rdzv_configs["rank"] = node.node_rank
     else:
         backend, endpoint = "c10d", f"127.0.0.1:{node.master_port or free_port()}"
-    return LaunchConfig(
+    from meshforge.launch.rendezvous import secure
+
+    config = LaunchConfig(
         min_nodes=node.nnodes,
         max_nodes=node.nnodes,
         nproc_per_node=nproc,
@@ -85,6 +87,7 @@ def launch_config(nproc: int, node: NodeSpec, log_dir: Path) -> LaunchConfig:
         local_addr=node.local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.NONE, tee=Std.NONE),
     )
+    return secure(config)  # meshforge's rendezvous backends (launch/rendezvous.py)
 
 
 def failure_message(failure) -> str:
@@ -170,9 +173,15 @@ def run_elastic(
     """Run CMD CMD_ARGS under the elastic agent with CONFIG.
 
     Returns None on success, or a failure description (also written to
-    RUN_DIR/health/diagnosis.json)."""
+    RUN_DIR/health/diagnosis.json). The agent runs meshforge's rendezvous backends
+    (launch/rendezvous.py): its stores listen on one address, and a rendezvous state
+    that this job did not write is refused (RendezvousRefused) before it is read."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
+
+    from meshforge.launch.rendezvous import secure
+
+    secure(config)
 
     # torch's elastic loggers carry their own levels (LOGLEVEL): quiet each, so a stop
     # prints meshforge's one line, not the agent's "Received 2 death signal" too
@@ -242,6 +251,7 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
 
     launch = parse_launch_args(argv)
     a = launch.args
+    _listeners(launch)
     if a.recalibrate:  # the workers inherit it (train/calibration_cache.py)
         os.environ["MESHFORGE_RECALIBRATE"] = "1"
     cfg = load_config(a.config, a.overrides)
@@ -325,6 +335,7 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from meshforge.launch.ctrl_c import CtrlC
+    from meshforge.launch.rendezvous import RendezvousRefused
 
     launched = time.time()
     if pressed:
@@ -337,6 +348,9 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
             config, cmd, cmd_args, job.run_dir, runtime.grace_s,
             helper_pid=preloaded.proc.pid if preloaded is not None else None,
         )  # fmt: skip
+    except RendezvousRefused as exc:  # the agent has stopped its workers
+        print(f"meshforge: {exc}", file=sys.stderr, flush=True)
+        return 1
     except SignalException as exc:
         # Ctrl-C or a scheduler's SIGTERM: the agent has already stopped its workers
         # (or, after a second Ctrl-C, they were killed).
@@ -358,6 +372,25 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
             record_exit(job.run_dir)
         return 0
     return report_failure(job.run_dir, diagnosis)
+
+
+def _listeners(launch: Any) -> None:
+    """What the job listens on, said at launch (docs/cluster.md, "Trust model"). A
+    single-node run keeps every listener on loopback: its agent's store and its workers'
+    (launch/rendezvous.py), and gloo's and NCCL's, pinned here for the workers. Across
+    nodes, a c10d rendezvous without a job secret is said to be unsigned."""
+    from meshforge.launch.rendezvous import job_secret, unsigned_warning
+    from meshforge.runtime import listen
+
+    if launch.max_nodes == 1:
+        chosen = os.environ.get("GLOO_SOCKET_IFNAME")
+        lo = listen.pin_collectives_to_loopback()
+        if chosen and chosen != lo:
+            launch.notes.append(
+                f"a single-node run listens on loopback only: collectives use {lo}, not {chosen}"
+            )
+    elif launch.args.rdzv_backend == "c10d" and job_secret() is None:
+        launch.warnings.append(unsigned_warning(launch.args.rdzv_endpoint))
 
 
 def _report_interrupted(job: Any, signal_name: str, launched: float) -> None:

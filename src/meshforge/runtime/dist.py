@@ -4,6 +4,12 @@ The device is chosen at run time: CUDA with NCCL when a GPU is present, else CPU
 with gloo. The group is created with a configurable timeout and always
 destroyed on exit, also when training raises.
 
+The group's store is made here rather than by init_process_group's env://, so that
+global rank 0's store listens on one address (MASTER_ADDR's own, runtime/listen.py),
+not on every interface; when every rank of the job is on this host and meets on
+loopback, gloo's and NCCL's listeners are kept on loopback too (docs/cluster.md,
+"Trust model").
+
 A finished run leaves in this order (`leave_together`), so that a rank that has
 finished exits 0. gloo runs each collective on a worker thread of its own, which drops
 its reference to the finished work only after the caller has moved on; when that
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.errors import ConfigError
+from meshforge.runtime import listen, netif
 from meshforge.runtime.env import DistEnv, detect_env
 
 
@@ -97,12 +104,18 @@ def distributed(
         torch.set_num_threads(threads)
     dev = choose_device(device, env.local_rank)
     bk = choose_backend(backend, dev)
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == env.local_world_size and netif.is_loopback(env.master_addr):
+        # every rank is on this host and meets on loopback: so do gloo's and NCCL's
+        # listeners (they would take the host name's address), unless the user chose
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", listen.loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", listen.loopback_interface())
     dist.init_process_group(
         backend=bk,
-        init_method="env://",
+        store=group_store(env, timeout),
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=dev if dev.type == "cuda" else None,
     )
     try:
@@ -111,6 +124,35 @@ def distributed(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def group_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The default group's store, as init_process_group's env:// makes it, except that
+    global rank 0's server listens on one address (runtime/listen.py), not on every
+    interface. Under the elastic agent with a shared store (TORCHELASTIC_USE_AGENT_STORE)
+    every rank is a client of the agent's store."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if env.rank == 0 and not agent_store:
+        addr = listen.store_address(env.master_addr)
+        try:
+            store = listen.tcp_store_server(addr, env.master_port, timeout, env.world_size)
+        except OSError as exc:
+            raise RuntimeError(
+                f"global rank 0 cannot listen on {addr}:{env.master_port} "
+                f"(MASTER_ADDR={env.master_addr}, MASTER_PORT): {exc.strerror or exc}"
+            ) from None
+    else:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            False,
+            timeout,
+            multi_tenant=not agent_store,
+        )
+    store.set_timeout(timeout)
+    # what init_process_group puts in front of a store it made itself
+    return dist.PrefixStore("default_pg", store)
 
 
 def leave_together(collect: bool = True) -> None:
