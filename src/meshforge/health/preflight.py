@@ -486,7 +486,8 @@ def run_checks(options: PreflightOptions) -> dict[str, Any]:
 
 
 def _port_reachability(port, reports, rt, gather, group, connect_s) -> dict[str, Any]:
-    """Global rank 0 listens on PORT; every rank connects to it at rank 0's address."""
+    """Global rank 0 listens on PORT at its own address (the one the ranks are given,
+    not every interface); every rank connects to it there."""
     import torch.distributed as dist
 
     host = reports[0]["addr"] or reports[0]["host"]
@@ -496,7 +497,8 @@ def _port_reachability(port, reports, rt, gather, group, connect_s) -> dict[str,
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            listener.bind(("", port))
+            # on the address the ranks connect to, never on every interface
+            listener.bind((host, port))
             listener.listen(max(16, rt.world_size))
         except OSError as exc:
             listener.close()
