@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshforge.errors import ConfigError, ExportError
+from meshforge.rundir.outputs import claim
 from meshforge.train.saved_run import (
     check_code_trusted,
     checkpoint_of,
@@ -111,6 +112,8 @@ def export_run(
         tokenizer = _hf_tokenizer(cfg, tokenizer_file, notes)
 
     saved = load_saved(cfg, found_step, checkpoint, trust_model_code)  # the slow part
+    if out == default_out(run_dir, found_step, fmt):
+        claim(run_dir, "export")  # RUN_DIR/export is meshforge's for --fresh (rundir/outputs)
     from meshforge.fileio import staged_directory
     from meshforge.models import export as formats
 
