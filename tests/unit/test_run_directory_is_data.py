@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,26 @@ def test_a_claim_records_only_what_is_not_there_and_adopts_an_older_runs_entries
     with pytest.raises(ValueError):
         claim(run_dir, "../elsewhere")
     assert earlier_run(run_dir) is not None and earlier_run(run_dir).checkpoints == [10]
+
+
+def test_dcp_metadata_naming_a_shard_file_out_of_its_checkpoint_is_refused(tmp_path):
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshforge.train.checkpoint import read_dcp
+
+    checkpoint = tmp_path / "step"
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(checkpoint))
+    (tmp_path / "secret").write_bytes(b"secret")
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../secret"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    state = {"w": torch.zeros(3)}
+    with pytest.raises(DataError, match="'../secret', a path out of its directory"):
+        read_dcp(state, checkpoint)
+    assert torch.equal(state["w"], torch.zeros(3))

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from meshforge.cli.submit import submit_app
+from meshforge.rundir.outputs import claim
 
 
 @submit_app.command("k8s")
@@ -74,6 +75,8 @@ def submit_k8s(
     if apply:
         k8s.require_kubectl()  # before anything is written
     config_map, pytorch_job = k8s.build_manifests(cfg, job)
+    if output is None:  # RUN_DIR/k8s is meshforge's, for --fresh (rundir/outputs.py)
+        claim(run_dir, "k8s")
     paths = k8s.write_manifests(config_map, pytorch_job, output or run_dir / "k8s")
     name = pytorch_job["metadata"]["name"]
     print(f"meshforge: wrote {paths[0]} (ConfigMap {config_map['metadata']['name']})")
