@@ -136,6 +136,8 @@ def remove_earlier_run(run_dir: Path) -> str | None:
     ours = recorded_outputs(run_dir)
     legacy = ours is None
     entries = legacy_entries(run_dir) if legacy else sorted(ours)
+    if "checkpoints" not in entries or (run_dir / "checkpoints").is_symlink():
+        reached = None  # not meshforge's to remove: its checkpoints stay
     removed = 0
     remaining: list[str] = []
     for name in entries:

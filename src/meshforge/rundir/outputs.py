@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from meshforge.errors import ConfigError
 from meshforge.rundir.records import read_jsonl
 from meshforge.rundir.report import REPORT_FILE, REPORT_TMP
 from meshforge.rundir.segments import SEGMENTS_FILE
@@ -99,14 +100,20 @@ def claim(run_dir: Path, name: str) -> bool:
     if not _is_entry_name(name):
         raise ValueError(f"not a top-level entry name: {name!r}")
     run_dir = Path(run_dir)
-    ours = recorded_outputs(run_dir)
-    if ours is None:
-        ours = _start(run_dir)
-    if name in ours:
-        return True
-    if os.path.lexists(run_dir / name):
-        return False
-    _append(run_dir, [{"entry": name}])
+    try:
+        ours = recorded_outputs(run_dir)
+        if ours is None:
+            ours = _start(run_dir)
+        if name in ours:
+            return True
+        if os.path.lexists(run_dir / name):
+            return False
+        _append(run_dir, [{"entry": name}])
+    except OSError as exc:  # a read-only directory, a record that is a symlink, ...
+        raise ConfigError(
+            f"cannot record what meshforge writes in {run_dir / OUTPUTS_FILE}: "
+            f"{exc.strerror or exc}"
+        ) from None
     return True
 
 
