@@ -493,6 +493,18 @@ class JobConfig(_Section):
     observe: ObserveConfig = ObserveConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        """The run directory is runs/NAME when --run-dir is not given: a plain name, so
+        that a job file can never choose a directory outside runs/."""
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", value) or value in (".", ".."):
+            raise ValueError(
+                f"{value!r} is not a plain name (letters, digits, '.', '_', '-'; not '.' "
+                "or '..'): it names the run directory runs/NAME"
+            )
+        return value
+
     @field_validator("parallel", mode="before")
     @classmethod
     def _parallel_mapping_or_auto(cls, value: Any) -> Any:

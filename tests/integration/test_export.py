@@ -145,7 +145,7 @@ def test_a_factory_model_exports_to_torch_and_safetensors(gloo, tmp_path):
     run = _train_run(gloo, tmp_path, FACTORY, {}, 1)
     cfg = load_config(run["dir"] / "config.yaml")
     for fmt in ("torch", "safetensors"):
-        exported = export_run(run["dir"], fmt)
+        exported = export_run(run["dir"], fmt, trust_model_code=True)
         assert exported.out == run["dir"] / "export" / f"step-{STEPS:08d}-{fmt}"
         assert exported.digest == run["digest"]
         fresh = build_model(cfg.model)

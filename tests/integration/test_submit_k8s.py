@@ -138,7 +138,7 @@ def test_namespace_iface_output_pvc_and_a_dns_safe_name(tmp_path):
         *("--nodes", "4", "--gpus-per-node", "8", "--image", "reg.example.com:5000/ml/mf:1.2"),
         *("--namespace", "ml-team", "--iface", "ens5", "--output", str(out)),
         *("--pvc", "shared-runs", "--shm-size", "32Gi"),
-        name="My_GPT.v2 run",
+        name="My_GPT.v2_run",  # a plain name (config.py): no space
     )
     assert proc.returncode == 0, proc.stderr
     config_map, job = manifests(out)

@@ -152,12 +152,14 @@ def test_dry_run_requests_gpus_and_one_worker_per_gpu(tmp_path, job_yaml):
     assert "port=$((29500 + SLURM_JOB_ID % 10000))" in proc.stdout
 
 
-def test_a_hostile_config_name_becomes_a_plain_job_name(tmp_path):
+def test_a_hostile_config_name_is_refused_before_any_script(tmp_path):
+    # issue 26: a job name is a plain name (config.py), so a hostile one never reaches
+    # an sbatch script (which made it `x---touch-PWNED--y` before)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(merge(TINY_JOB, {"name": "x $(touch PWNED);y"})))
     proc = submit([str(path), "--nodes", "1", "--run-dir", str(tmp_path / "r"), "--dry-run"])
-    assert proc.returncode == 0, proc.stderr
-    assert "#SBATCH --job-name=x---touch-PWNED--y\n" in proc.stdout
+    assert_one_line_error(proc, "x $(touch PWNED);y", "not a plain name")
+    assert not (tmp_path / "r").exists() and "#SBATCH" not in proc.stdout
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,13 @@ def export(
     step: Annotated[
         int | None, typer.Option("--step", min=0, help="Checkpoint step (default: newest).")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace an earlier export at --out (anything else there is refused and kept).",
+        ),
+    ] = False,
     tokenizer_file: Annotated[
         Path | None,
         typer.Option(
@@ -43,7 +49,16 @@ def export(
             help="hf: a tokenizer.json to write instead of the one recorded with data.source.",
         ),
     ] = None,
+    trust_model_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-model-code",
+            help="Import and run the model factory (model.name: package.module:function) "
+            "that the run's config.yaml names. A run directory is data: without this flag "
+            "its code is never imported. Give it only for a run directory you trust.",
+        ),
+    ] = False,
 ) -> None:
     """Write the newest valid checkpoint of a run (any layout) as full tensors."""
-    exported = export_run(run_dir, fmt.value, out, step, force, tokenizer_file)
+    exported = export_run(run_dir, fmt.value, out, step, force, tokenizer_file, trust_model_code)
     print(exported.summary())

@@ -22,6 +22,7 @@ import typer
 
 from meshforge.cli.app import app
 from meshforge.errors import ConfigError
+from meshforge.rundir.outputs import claim_all
 
 DEFAULT_RUN_DIR = Path("runs/preflight")
 PROG = "meshforge preflight"
@@ -196,6 +197,7 @@ def _launch(options, launch, as_json: bool) -> int:
         flush=True,
     )
     try:  # the launcher itself writes its logs there
+        claim_all(options.run_dir, ["logs", "health"])  # meshforge's, for --fresh
         (options.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         result_path(options.run_dir).unlink(missing_ok=True)  # never report an older result
     except OSError as exc:

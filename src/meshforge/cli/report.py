@@ -39,9 +39,12 @@ def report_command(
     """Write the run's report.html: headline figures, layout, loss, throughput and MFU,
     memory per rank, time breakdown, network, step time per rank, and its config. With two
     run directories, one page with both runs overlaid and the ratio B/A."""
-    from meshforge.report.html import write_html
+    from meshforge.report.html import default_out, write_html
+    from meshforge.rundir.outputs import claim, holds_a_run
 
     runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
+    if out is None and holds_a_run(run_dir):  # the page is meshforge's, for --fresh
+        claim(run_dir, default_out(runs).name)
     print(write_html(runs, out, cluster))
     if png:
         from meshforge.report.plots import plot_report
@@ -58,5 +61,6 @@ def report_command(
             if not rows:  # the page says what the run has; a plot of nothing would not
                 print(f"meshforge: no {run / 'report.png'}: {reason}", file=sys.stderr)
                 continue
+            claim(run, "report.png")
             plot_report(rows, run / "report.png")
             print(run / "report.png")

@@ -62,7 +62,7 @@ def sample(
             "meshforge's own models (gpt, llama); `meshforge export` takes the weights out"
         )
     found_step, path = checkpoint_of(run_dir, step)
-    model = load_saved(cfg, found_step, path).model
+    model = load_saved(cfg, found_step, path, command="sample").model
 
     import torch
 

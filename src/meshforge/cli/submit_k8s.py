@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from meshforge.cli.submit import submit_app
+from meshforge.rundir.outputs import claim
 
 
 @submit_app.command("k8s")
@@ -91,6 +92,8 @@ def submit_k8s(
     if apply:
         k8s.require_kubectl()  # before anything is written
     manifests = k8s.build_manifests(cfg, job)
+    if output is None:  # RUN_DIR/k8s is meshforge's, for --fresh (rundir/outputs.py)
+        claim(run_dir, "k8s")
     paths = k8s.write_manifests(manifests, output or run_dir / "k8s")
     name = manifests.pytorch_job["metadata"]["name"]
     for path, doc in zip(paths, manifests.files().values(), strict=True):

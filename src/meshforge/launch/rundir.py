@@ -45,7 +45,8 @@ from typing import Any
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.rundir.files import EarlierRun, earlier_run, is_job_config
-from meshforge.rundir.report import report_path
+from meshforge.rundir.report import REPORT_FILE, REPORT_TMP, report_path
+from meshforge.rundir.segments import SEGMENTS_FILE
 from meshforge.runtime import runlock
 from meshforge.train.schedule import lr_factor
 
@@ -79,6 +80,22 @@ def model_changes(earlier: dict[str, Any], cfg: JobConfig) -> list[str]:
         for key in dict.fromkeys([*now, *before])
         if key != "preset" and before.get(key) != now.get(key)  # a preset is its fields
     ]
+
+
+def outputs_of(cfg: JobConfig) -> list[str]:
+    """The top-level entries of the run directory a run of CFG may write (its workers,
+    sinks, report and launcher): a launch claims them before it writes anything
+    (rundir/outputs.py), so that `--fresh` knows them as meshforge's."""
+    names = ["config.yaml", "metrics.jsonl", SEGMENTS_FILE, REPORT_FILE, REPORT_TMP,
+             "report.html", "checkpoints", "logs", "health", "system"]  # fmt: skip
+    o = cfg.observe
+    if o.trace_steps:
+        names += ["trace.json", ".trace"]
+    if o.tensorboard:
+        names.append("tensorboard")
+    if o.wandb is not None:
+        names.append("wandb")
+    return names
 
 
 def check_run_dir_path(run_dir: Path) -> None:

@@ -6,6 +6,7 @@ each node), `meshforge submit mpi` and `meshforge submit slurm`."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -16,9 +17,10 @@ from typing import Any
 from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import BUILTIN_PREFIX, check_source, load_tokens
 from meshforge.errors import ConfigError
-from meshforge.launch.rundir import check_earlier_run
+from meshforge.launch.rundir import check_earlier_run, outputs_of
 from meshforge.plan.jobs.auto import resolve_parallel_auto
 from meshforge.rundir.files import remove_earlier_run
+from meshforge.rundir.outputs import claim_all
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
@@ -150,6 +152,8 @@ def prepare_job(
     if fresh:
         history_line = remove_earlier_run(run_dir)
     try:
+        # what the run will write is claimed before anything is (rundir/outputs.py)
+        claim_all(run_dir, [*outputs_of(cfg), *_entry_of(run_dir, target)])
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
     except OSError as exc:
@@ -158,6 +162,14 @@ def prepare_job(
     save_config(cfg, target)
     return PreparedJob(cfg, run_dir, target, world, auto_line, run_lock, None, history_line,
                        decision.warning)  # fmt: skip
+
+
+def _entry_of(run_dir: Path, path: Path) -> list[str]:
+    """The top-level entry of RUN_DIR that PATH is in ([] when it is elsewhere)."""
+    try:
+        return [Path(os.path.abspath(path)).relative_to(os.path.abspath(run_dir)).parts[0]]
+    except (ValueError, IndexError):
+        return []
 
 
 def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:

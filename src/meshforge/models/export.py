@@ -91,7 +91,9 @@ def write_hf(
     from safetensors.torch import save_file
 
     eod = tokenizer.eod_id if tokenizer is not None else None
-    files = {"config.json": hf_config(cfg, eod)}
+    # meshforge_export marks the directory as an export (`export --force` replaces only
+    # one); transformers keeps an unknown key as a plain attribute of the config
+    files = {"config.json": {**hf_config(cfg, eod), "meshforge_export": {"format": "hf"}}}
     if eod is not None:
         files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
     if tokenizer is not None:

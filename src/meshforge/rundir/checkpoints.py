@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshforge.rundir.paths import confined
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -71,15 +73,24 @@ def verify(directory: Path) -> str | None:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        items = list(files.items())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         return "manifest is not valid JSON"
-    for rel, meta in files.items():
-        p = directory / rel
+    for rel, meta in items:
+        p = confined(directory, rel, _manifest_of(directory))  # DataError when it leaves
         if not p.exists():
             return f"missing file {rel}"
-        if p.stat().st_size != meta["bytes"] or sha256_of(p) != meta["sha256"]:
+        try:
+            intact = p.stat().st_size == meta["bytes"] and sha256_of(p) == meta["sha256"]
+        except (KeyError, TypeError):
+            return f"manifest entry of {rel} is not valid"
+        if not intact:
             return f"checksum mismatch in {rel}"
     return None
+
+
+def _manifest_of(directory: Path) -> str:
+    return f"{MANIFEST} of {directory.parent.name}/{directory.name}"
 
 
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -112,15 +123,17 @@ def prune(ckpt_root: Path, keep: int) -> None:
 
 def is_committed(directory: Path) -> bool:
     """Its manifest is there and every file it names is there with its size (a cheap
-    check, without hashing: `verify` is the full one)."""
+    check, without hashing: `verify` is the full one). A manifest naming a path out of
+    DIRECTORY is a DataError (rundir/paths.py), not an uncommitted checkpoint."""
     try:
         files = json.loads((directory / MANIFEST).read_text()).get("files")
     except (OSError, ValueError, AttributeError):
         return False
     if not isinstance(files, dict):
         return False
+    paths = {rel: confined(directory, rel, _manifest_of(directory)) for rel in files}
     try:
-        return all((directory / rel).stat().st_size == meta["bytes"] for rel, meta in files.items())
+        return all(paths[rel].stat().st_size == meta["bytes"] for rel, meta in files.items())
     except (OSError, KeyError, TypeError):
         return False
 

@@ -2,16 +2,17 @@
 them, and `--fresh`'s removal of them.
 
 A run directory keeps one run's whole history; what a launch does with the run there is
-launch/rundir.py's decision (it needs the job config). Here, torch-free: the names
-(RUN_FILES, RUN_FOLDERS, the lock files, the markers of a run), the earlier run as its
-files say (`earlier_run`: its config.yaml, report.json, committed checkpoints and
+launch/rundir.py's decision (it needs the job config). Here, torch-free: the earlier run
+as its files say (`earlier_run`: its config.yaml, report.json, committed checkpoints and
 segments; never report.json alone, which may be missing or stale), and
-`remove_earlier_run`, which removes what meshforge wrote and keeps the rest.
+`remove_earlier_run`, which removes what meshforge recorded writing (rundir/outputs.py
+has the names and the record) and keeps the rest.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,51 +20,28 @@ from typing import Any
 
 import yaml
 
-from meshforge.errors import ConfigError
+from meshforge.errors import ConfigError, DataError
 from meshforge.rundir.checkpoints import TRAINER_STATE, committed_checkpoints, step_dir_name
-from meshforge.rundir.report import REPORT_FILE, REPORT_TMP, read_report_or_none
-from meshforge.rundir.segments import SEGMENTS_FILE, read_records
-
-# A job's hold on its run directory (runtime/runlock.py): `--fresh` never removes these.
-LOCK_FILE = ".lock"
-WORKERS_LOCK_FILE = ".lock-workers"  # held by the workers of a launcher that holds .lock
-LOCK_FILES = (LOCK_FILE, WORKERS_LOCK_FILE)
-
-# What meshforge writes into a run directory, and `--fresh` removes: these entries
-# (glob patterns) at its top, and in each of its folders the entries named here; a
-# folder left empty goes too. Anything else (a file of yours in logs/, say) stays.
-RUN_FILES = (
-    "config.yaml",
-    "metrics.jsonl",
-    SEGMENTS_FILE,
-    REPORT_FILE,
-    REPORT_TMP,
-    "report.png",
-    "report.html",
-    "trace.json",
-    "compare-*.html",
-    ".*.tmp",  # atomic writes caught halfway (fileio.write_text_atomic, plots)
+from meshforge.rundir.outputs import (
+    LOCK_FILE,
+    LOCK_FILES,
+    OUTPUTS_FILE,
+    RUN_FILES,
+    RUN_FOLDERS,
+    RUN_MARKERS,
+    WORKERS_LOCK_FILE,
+    legacy_entries,
+    recorded_outputs,
+    rewrite_outputs,
 )
-RUN_FOLDERS = {
-    "checkpoints": ("step-*", ".tmp-step-*"),
-    "logs": ("rank-*.log", "elastic"),
-    "health": (
-        "diagnosis.json",
-        "flight-rank-*.json",
-        "failure-rank-*.json",
-        "restarts.jsonl",
-        "preflight.json",
-        ".*.tmp",
-    ),
-    "system": ("*.jsonl", ".*.tmp"),
-    "tensorboard": ("events.out.tfevents.*",),
-    "wandb": ("meshforge-run-id", "run-*", "offline-run-*", "latest-run", "debug*.log"),
-    "export": ("step-*-*", ".step-*"),
-    ".launch": ("job-*.yaml",),
-    ".trace": ("rank-*.json",),
-}
-# Any of these says a run was there (a lock alone, or files of yours, do not).
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", REPORT_FILE, "checkpoints", SEGMENTS_FILE)
+from meshforge.rundir.report import read_report_or_none
+from meshforge.rundir.segments import read_records
+
+# the names meshforge writes and the record of what it created are rundir/outputs.py's
+# (they stay importable from here)
+__all__ = ["LOCK_FILE", "LOCK_FILES", "RUN_FILES", "RUN_FOLDERS", "RUN_MARKERS",
+           "WORKERS_LOCK_FILE", "EarlierRun", "earlier_run", "is_job_config",
+           "remove_earlier_run"]  # fmt: skip
 
 
 @dataclass
@@ -135,56 +113,109 @@ def is_job_config(config: dict[str, Any]) -> bool:
 
 
 def remove_earlier_run(run_dir: Path) -> str | None:
-    """`--fresh`: remove what meshforge wrote into RUN_DIR (RUN_FILES, RUN_FOLDERS),
-    keeping its lock files (the caller holds them) and anything meshforge does not
-    write. The line to print, naming what was kept, or None when nothing was removed."""
+    """`--fresh`: remove what meshforge wrote into RUN_DIR and keep everything else. The
+    line to print, naming what was kept, or None when nothing was removed.
+
+    What meshforge wrote: the top-level entries it recorded creating (rundir/outputs.py);
+    in a folder among them that RUN_FOLDERS names, the entries named there (a file of
+    yours in logs/ stays), the folder itself once empty. A run directory of an older
+    meshforge, with no record, is taken as conservatively as its names allow: its real
+    files and folders named as meshforge names them (`legacy_entries`), and the line
+    says so. Never removed: the lock files (the caller holds them), anything not
+    recorded, and any symlink, at the top or in a folder (unlinked only when it points
+    within its own folder, as wandb's latest-run does): a symlink is never followed, so
+    nothing outside the run directory is touched."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
-    earlier = earlier_run(run_dir)
+    try:
+        earlier = earlier_run(run_dir)
+    except DataError:  # a manifest naming a path out of its checkpoint: removed all the same
+        earlier = None
     reached = max(earlier.checkpoints, default=None) if earlier else None
-    found: list[Path] = []
-    for pattern in RUN_FILES:
-        found += [p for p in sorted(run_dir.glob(pattern)) if p not in found]
-    folders = [run_dir / name for name in RUN_FOLDERS if (run_dir / name).is_dir()]
-    for folder in folders:
-        for pattern in RUN_FOLDERS[folder.name]:
-            found += [p for p in sorted(folder.glob(pattern)) if p not in found]
-    for path in found:
+    ours = recorded_outputs(run_dir)
+    legacy = ours is None
+    entries = legacy_entries(run_dir) if legacy else sorted(ours)
+    if "checkpoints" not in entries or (run_dir / "checkpoints").is_symlink():
+        reached = None  # not meshforge's to remove: its checkpoints stay
+    removed = 0
+    remaining: list[str] = []
+    for name in entries:
+        path = run_dir / name
+        if name in LOCK_FILES or not os.path.lexists(path):
+            continue
+        if path.is_symlink():  # never meshforge's, never followed
+            continue
+        if path.is_dir():
+            removed += _empty_folder(path, RUN_FOLDERS.get(name, ("*", ".*")))
+            if any(path.iterdir()):
+                remaining.append(name)
+                continue
         _remove(path)
-    for folder in folders:  # emptied, it goes too (a link to a folder elsewhere stays)
-        if not folder.is_symlink() and not any(folder.iterdir()):
-            _remove(folder)
-    if not found:
+        removed += 1
+    if not legacy:  # what stays of meshforge's (logs/ with a file of yours) stays recorded
+        rewrite_outputs(run_dir, remaining)
+    if not removed:
         return None
-    kept = _kept(run_dir)
+    kept = _kept(run_dir, set(entries))
     what = f"checkpoints up to step {reached}, " if reached is not None else ""
-    line = f"meshforge: --fresh: removed the earlier run in {run_dir} ({what}{len(found)} entries)"
+    line = f"meshforge: --fresh: removed the earlier run in {run_dir} ({what}{removed} entries)"
     if kept:
-        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        shown = ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
         noun = "entry" if len(kept) == 1 else "entries"
         line += f"; kept {len(kept)} {noun} meshforge did not write ({shown})"
+    if legacy:
+        line += (
+            f"; {run_dir} kept no record of what meshforge wrote (an older meshforge's): "
+            "removed only its files and folders named as meshforge names them, no symlink"
+        )
     return line + "; starting over"
+
+
+def _empty_folder(folder: Path, patterns: tuple[str, ...]) -> int:
+    """Remove FOLDER's entries matching PATTERNS, keeping symlinks out of it; how many."""
+    found: list[Path] = []
+    for pattern in patterns:
+        found += [p for p in sorted(folder.glob(pattern)) if p not in found]
+    removed = 0
+    for path in found:
+        if path.is_symlink() and not _points_within(path, folder):
+            continue
+        _remove(path)
+        removed += 1
+    return removed
+
+
+def _points_within(link: Path, folder: Path) -> bool:
+    try:
+        target = (link.parent / os.readlink(link)).resolve()
+        return target.is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def _remove(path: Path) -> None:
     try:
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            shutil.rmtree(path)  # removes the links in it, never what they point to
         else:
             path.unlink()
     except OSError as exc:
         raise ConfigError(f"--fresh: cannot remove {path}: {exc.strerror or exc}") from None
 
 
-def _kept(run_dir: Path) -> list[str]:
-    """What is left in RUN_DIR that meshforge did not write (lock files aside)."""
+def _kept(run_dir: Path, entries: set[str]) -> list[str]:
+    """What is left in RUN_DIR that meshforge did not write (lock files and its record
+    aside): top-level entries, and what stays in the folders it wrote (never looking
+    through a symlink)."""
     kept = []
     for p in sorted(run_dir.iterdir()):
-        if p.name in LOCK_FILES:
+        if p.name in LOCK_FILES or p.name == OUTPUTS_FILE:
             continue
-        if p.name in RUN_FOLDERS and p.is_dir():
+        if p.name in entries and p.is_dir() and not p.is_symlink():
             kept += [f"{p.name}/{q.name}" for q in sorted(p.iterdir())]
+        elif p.is_symlink():
+            kept.append(f"{p.name} (a symlink, not followed)")
         else:
             kept.append(p.name)
     return kept

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from meshforge.errors import CheckpointError
+from meshforge.errors import CheckpointError, DataError
 from meshforge.fileio import fsync_dir
 
 # the checkpoint's files, manifest and listing are the run directory's (torch-free);
@@ -68,6 +68,7 @@ from meshforge.rundir.checkpoints import (  # noqa: F401
     verify,
     write_manifest,
 )
+from meshforge.rundir.paths import confined
 from meshforge.train.faults import fail_before_commit
 
 log = logging.getLogger(__name__)
@@ -354,6 +355,10 @@ class SafeFileSystemReader(FileSystemReader):
         if self._metadata is None:
             with self.fs.create_stream(self.fs.concat_path(self.path, ".metadata"), "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            for info in (getattr(metadata, "storage_data", None) or {}).values():
+                # the shard files it names stay in the checkpoint (rundir/paths.py)
+                confined(Path(self.path), getattr(info, "relative_path", None),
+                         f".metadata of {Path(self.path).name}")  # fmt: skip
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -380,6 +385,8 @@ def read_dcp(state: dict[str, Any], path: Path) -> None:
     reader = SafeFileSystemReader(str(path))
     try:  # first on its own: DCP would log its failure and retry another file
         reader.read_metadata()
+    except DataError:
+        raise  # a shard path out of the checkpoint: the one line says which
     except Exception as exc:  # garbage makes an unpickler raise almost anything
         reason = _unreadable(".metadata", exc)
         raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None

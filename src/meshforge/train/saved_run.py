@@ -10,6 +10,12 @@ tensors of a freshly built model. meshforge's own models are built on the meta d
 and only allocated, never initialised (every tensor is then read from the checkpoint);
 a user's factory model is built as its factory builds it.
 
+A run directory is data, never code: its config.yaml may name a user's factory
+(`model.name: package.module:function`, `model.tp_plan`), and a run directory can come
+from anyone. Building that model imports and runs the code it names, so it is done only
+when the caller says the user trusts it (`trust_model_code`, the commands'
+`--trust-model-code`); otherwise a one-line ConfigError names the code and the flag.
+
 Bad input raises one-line errors before torch is imported: a missing run directory or
 checkpoint is a CheckpointError, a missing or invalid config.yaml a ConfigError."""
 
@@ -51,6 +57,29 @@ def run_config(run_dir: Path) -> JobConfig:
     return load_config(path)
 
 
+TRUST_FLAG = "--trust-model-code"
+
+
+def model_code(cfg: JobConfig) -> list[str]:
+    """The fields of CFG that name code to import (`model.name=pkg.mod:fn`, ...)."""
+    m = cfg.model
+    named = [("model.name", m.name)] if m.is_factory else []
+    named += [("model.tp_plan", m.tp_plan)] if m.tp_plan is not None else []
+    return [f"{field}={spec}" for field, spec in named]
+
+
+def check_code_trusted(cfg: JobConfig, run_dir: Path, trusted: bool, command: str) -> None:
+    """ConfigError (one line, exit 2) when RUN_DIR's config names code and the user has
+    not said to trust it: a run directory is data (the module docstring)."""
+    code = model_code(cfg)
+    if code and not trusted:
+        raise ConfigError(
+            f"{Path(run_dir) / 'config.yaml'} names code to import ({', '.join(code)}): a "
+            f"run directory is data, so `meshforge {command}` imports it only with "
+            f"{TRUST_FLAG} (trust the run directory's sender)"
+        )
+
+
 def checkpoint_of(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     """(step, directory) of the newest valid checkpoint, or of `step`, checked."""
     from meshforge.train.checkpoint import (
@@ -76,8 +105,17 @@ def checkpoint_of(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     return step, path
 
 
-def load_saved(cfg: JobConfig, step: int, checkpoint: Path) -> SavedModel:
-    """The model of `cfg` with the weights of `checkpoint` (from `checkpoint_of`)."""
+def load_saved(
+    cfg: JobConfig,
+    step: int,
+    checkpoint: Path,
+    trust_model_code: bool = False,
+    command: str = "export",
+) -> SavedModel:
+    """The model of `cfg` with the weights of `checkpoint` (from `checkpoint_of`). A
+    user's factory model is built (its code imported and run) only with
+    `trust_model_code`: ConfigError otherwise."""
+    check_code_trusted(cfg, checkpoint.parent.parent, trust_model_code, command)
     import torch
 
     from meshforge.models.registry import build_factory, family_model
@@ -98,11 +136,14 @@ def load_saved(cfg: JobConfig, step: int, checkpoint: Path) -> SavedModel:
     return SavedModel(cfg, model.eval(), step, checkpoint)
 
 
-def load_model(run_dir: Path, step: int | None = None) -> tuple[nn.Module, int]:
-    """(the run's model on CPU with the checkpoint's weights, the step it was saved at)."""
+def load_model(
+    run_dir: Path, step: int | None = None, trust_model_code: bool = False
+) -> tuple[nn.Module, int]:
+    """(the run's model on CPU with the checkpoint's weights, the step it was saved at);
+    a user's factory model only with `trust_model_code` (see `load_saved`)."""
     cfg = run_config(run_dir)
     found_step, path = checkpoint_of(run_dir, step)
-    saved = load_saved(cfg, found_step, path)
+    saved = load_saved(cfg, found_step, path, trust_model_code)
     return saved.model, saved.step
 
 
