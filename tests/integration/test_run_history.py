@@ -34,6 +34,7 @@ from helpers import (
 )
 from meshforge.config import load_config, save_config
 from meshforge.errors import ConfigError
+from meshforge.launch.ctrl_c import SAME_PRESS_S
 from meshforge.launch.rundir import check_earlier_run
 from meshforge.observe.metrics import latest_rows, read_jsonl
 from meshforge.rundir.files import remove_earlier_run
@@ -243,6 +244,7 @@ def test_a_second_ctrl_c_kills_the_workers_at_once_and_keeps_the_last_checkpoint
         while not _pending_signals(worker.pid) & (1 << (signal.SIGINT - 1)):
             assert time.monotonic() < deadline, "the launcher never passed Ctrl-C on"
             time.sleep(0.05)  # the launcher has passed the first Ctrl-C on: it waits
+        time.sleep(SAME_PRESS_S)  # a second press, not the first one delivered twice
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=LONG_WAIT_S)
     finally:

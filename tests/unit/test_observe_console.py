@@ -134,3 +134,12 @@ def test_a_stopped_runs_summary_says_where_it_stopped() -> None:
     report = {"status": "stopped", "steps": 12, "stopped": {"signal": "SIGINT", "step": 1}}
     print_summary(report, console=console)
     assert "1 of 12 (stopped)" in out.getvalue()
+
+
+def test_an_mfu_above_one_says_its_peak_is_too_low():
+    from meshforge.observe.console import mfu_text
+
+    assert mfu_text(0.123) == "12.3%"
+    assert mfu_text(None) == "n/a"
+    above = mfu_text(1.37)
+    assert above.startswith("137.0%") and "peak is too low" in above and "--recalibrate" in above

@@ -10,6 +10,7 @@ import sys
 import typer
 
 from meshforge.cli.app import CtrlC, app
+from meshforge.cli.stdout import stdout_may_close
 from meshforge.errors import MeshforgeError
 
 try:  # typer >= 0.22 vendors click; older releases use the click package
@@ -37,7 +38,8 @@ from meshforge.cli import train as _train  # noqa: E402,F401
 
 
 def _fail_usage(message: str) -> None:
-    message = " ".join(str(message).split())
+    # pydantic's wording for a validator's ValueError, passed through by typer
+    message = " ".join(str(message).split()).replace("Value error, ", "")
     print(f"meshforge: error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     if previous is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
-        _main(argv)
+        with stdout_may_close():  # `meshforge train ... | head` must not end the run
+            _main(argv)
     finally:  # called in-process (tests, the zygote's workers): as it found it
         if signal.getsignal(signal.SIGINT) is _on_sigint:
             signal.signal(signal.SIGINT, previous)

@@ -138,6 +138,8 @@ def _format_error(exc: ValidationError) -> str:
 
 
 def parse_cluster(raw: Any, where: str = "cluster file") -> ClusterFile:
+    if raw is None:
+        raise ConfigError(f"{where}: the file is empty")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: top level must be a mapping of sections")
     try:

@@ -19,10 +19,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
+
+
+# One press can arrive twice: GNU `timeout -s INT` signals its child and then the child's
+# process group, so the launcher gets SIGINT twice within microseconds. A person's second
+# press takes far longer than this; a SIGINT this soon after the first is the same press.
+SAME_PRESS_S = 0.5
 
 
 class CtrlC:
@@ -31,6 +38,7 @@ class CtrlC:
     def __init__(self) -> None:
         self.presses = 0
         self.killed = False
+        self._first_at = 0.0
 
     def install(self, config: LaunchConfig) -> CtrlC:
         """In the main thread, before the agent starts; kept until the launcher exits
@@ -45,8 +53,12 @@ class CtrlC:
     def _on_sigint(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal API
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        now = time.monotonic()
+        if self.presses == 1 and now - self._first_at < SAME_PRESS_S:
+            return  # the first press, delivered twice (see SAME_PRESS_S)
         self.presses += 1
         if self.presses == 1:
+            self._first_at = now
             raise SignalException(f"Process {os.getpid()} got signal: SIGINT", signal.SIGINT)
         self.killed = kill_workers() or self.killed
 

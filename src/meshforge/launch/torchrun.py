@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("config", type=Path, help="Job config (YAML).")
-    parser.add_argument("--run-dir", type=Path, default=None, help="Run directory.")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="Run directory (default: runs/NAME, NAME the job's `name`).",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",

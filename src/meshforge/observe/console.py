@@ -28,6 +28,14 @@ def _num(metrics: dict[str, Any], key: str) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def mfu_text(mfu: float | None) -> str:
+    """MFU as a percentage; above 100% the peak it divides by is wrong (on CPU, a peak
+    measured while the machine was busy), and it says so instead of showing a number."""
+    if mfu is not None and mfu > 1.0:
+        return f"{format_percent(mfu)} (above 100%: the measured peak is too low; --recalibrate)"
+    return format_percent(mfu)
+
+
 def status_text(metrics: dict[str, Any], eta_s: float | None) -> str:
     parts = []
     loss, lr, grad_norm = _num(metrics, "loss"), _num(metrics, "lr"), _num(metrics, "grad_norm")
@@ -38,7 +46,7 @@ def status_text(metrics: dict[str, Any], eta_s: float | None) -> str:
         parts.append(f"gnorm {grad_norm:.3f}")
     tokens = _num(metrics, "tokens_per_s")
     parts.append(f"{tokens:,.0f} tok/s" if tokens is not None else "tok/s n/a")
-    parts.append(f"MFU {format_percent(_num(metrics, 'mfu'))}")
+    parts.append(f"MFU {mfu_text(_num(metrics, 'mfu'))}")
     step_time = _num(metrics, "step_time_s")
     parts.append(f"step {step_time:.3f} s" if step_time is not None else "step n/a")
     if step_time:
@@ -251,7 +259,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         ("first loss", _loss_text(report.get("first_loss"))),
         ("final loss", _loss_text(report.get("final_loss"))),
         ("tokens/s", f"{tokens:,.0f}" if isinstance(tokens, int | float) else "n/a"),
-        ("MFU", format_percent(report.get("mfu"))),
+        ("MFU", mfu_text(_num(report, "mfu"))),
         (
             "step time (median)",
             f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a",
