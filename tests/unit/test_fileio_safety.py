@@ -184,3 +184,20 @@ def test_a_link_at_the_old_report_temporary_name_is_not_written_through(
     write_report(tmp_path, {"status": "completed"})
     assert read_report(tmp_path) == {"status": "completed"}
     _untouched(victim)
+
+
+def test_a_link_at_the_old_manifest_temporary_name_is_not_written_through(
+    tmp_path: Path, victim: Path
+) -> None:
+    import json
+
+    from meshforge.rundir.checkpoints import MANIFEST, write_manifest
+
+    step = tmp_path / "step-00000010"
+    step.mkdir()
+    (step / "weights.distcp").write_bytes(b"tensor bytes")
+    (step / (MANIFEST + ".tmp")).symlink_to(victim)  # the fixed name manifests once used
+    write_manifest(step, 10)
+    _untouched(victim)
+    written = step / MANIFEST
+    assert not written.is_symlink() and json.loads(written.read_text())["step"] == 10

@@ -254,8 +254,9 @@ def write_scripts(req: SlurmRequest, files: SlurmJobFiles, name: str) -> tuple[s
     files.sbatch.parent.mkdir(parents=True, exist_ok=True)
     files.sbatch.write_text(sbatch)
     files.node_script.write_text(node)
-    files.sbatch.chmod(0o755)
-    files.node_script.chmod(0o755)
+    for script in (files.sbatch, files.node_script):  # executable where readable: the umask's
+        mode = script.stat().st_mode
+        script.chmod(mode | (mode & 0o444) >> 2)
     return sbatch, node
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshforge.fileio import atomic_writer
 from meshforge.rundir.paths import confined
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,9 @@ def write_manifest(
         rel = str(p.relative_to(directory))
         entries[rel] = hashed.get(rel) or file_entry(p)
     manifest = {"format": "meshforge-checkpoint-v1", "step": step, "files": entries}
-    tmp = directory / (MANIFEST + ".tmp")
-    with tmp.open("w") as f:
+    # a new temporary name, never through a link planted there (fileio.atomic_writer)
+    with atomic_writer(directory / MANIFEST, "w", fsync=True, encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
     return manifest
 
 
