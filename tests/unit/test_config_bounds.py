@@ -170,8 +170,8 @@ def test_a_huge_value_that_a_validator_quotes_is_cut_short_too() -> None:
 
 
 def test_an_unparsable_set_value_stays_text_as_before() -> None:
-    cfg = load_config(None, ["name=[not yaml", "train.steps=3"])
-    assert cfg.name == "[not yaml" and cfg.train.steps == 3
+    cfg = load_config(None, ["data.source=[not yaml", "train.steps=3"])
+    assert cfg.data.source == "[not yaml" and cfg.train.steps == 3
 
 
 def test_the_saved_config_of_an_accepted_alias_is_bounded_by_the_node_limit() -> None:

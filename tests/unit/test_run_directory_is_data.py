@@ -219,7 +219,10 @@ def test_fresh_removes_what_meshforge_recorded_and_keeps_the_rest_and_every_syml
     (run_dir / "wandb").symlink_to(home)
     (run_dir / "tensorboard").symlink_to(home)
     claim_all(run_dir, ["config.yaml", "metrics.jsonl", "logs", "checkpoints", "trace.json",
-                        "wandb", "tensorboard", "system"])  # fmt: skip
+                        "system"])  # fmt: skip
+    for link in ("wandb", "tensorboard"):  # never written through: the launch is refused
+        with pytest.raises(ConfigError, match=f"{link} is a symbolic link"):
+            claim(run_dir, link)
     assert recorded_outputs(run_dir) == {"config.yaml", "metrics.jsonl", "logs", "checkpoints",
                                          "system"}  # fmt: skip
     (run_dir / "config.yaml").write_text("name: x\nmodel: {}\ndata: {}\ntrain: {}\n")
@@ -256,6 +259,7 @@ def test_fresh_in_an_older_run_directory_follows_no_symlink_and_says_so(tmp_path
     run_dir = tmp_path / "run"
     _checkpoint(run_dir, 10)
     (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "config.yaml").write_text("name: x\nmodel: {}\ndata: {}\ntrain: {}\n")
     (run_dir / "wandb").symlink_to(home)  # a wandb folder pointing at a home directory
     (run_dir / "system").symlink_to(home)
 
@@ -276,7 +280,8 @@ def test_a_claim_records_only_what_is_not_there_and_adopts_an_older_runs_entries
     (run_dir / "logs").symlink_to(tmp_path)
     assert claim(run_dir, "config.yaml") is True  # not there: meshforge's from now on
     assert claim(run_dir, "notes.txt") is False  # yours, there before
-    assert claim(run_dir, "logs") is False  # a symlink is never meshforge's
+    with pytest.raises(ConfigError, match="logs is a symbolic link"):
+        claim(run_dir, "logs")  # a symlink is never meshforge's, never written through
     assert recorded_outputs(run_dir) == {"checkpoints", "metrics.jsonl", "config.yaml"}
     with pytest.raises(ValueError):
         claim(run_dir, "../elsewhere")
@@ -304,3 +309,36 @@ def test_dcp_metadata_naming_a_shard_file_out_of_its_checkpoint_is_refused(tmp_p
     with pytest.raises(DataError, match="'../secret', a path out of its directory"):
         read_dcp(state, checkpoint)
     assert torch.equal(state["w"], torch.zeros(3))
+
+
+def test_fresh_keeps_folders_of_yours_in_checkpoints_that_are_not_named_as_steps(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    claim_all(run_dir, ["config.yaml", "checkpoints"])
+    (run_dir / "config.yaml").write_text("name: x\nmodel: {}\ndata: {}\ntrain: {}\n")
+    _checkpoint(run_dir, 10)
+    (run_dir / "checkpoints" / "step-mine").mkdir()
+    (run_dir / "checkpoints" / "step-mine" / "w.txt").write_text("mine")
+
+    line = remove_earlier_run(run_dir)
+
+    assert line is not None and "checkpoints/step-mine" in line
+    assert (run_dir / "checkpoints" / "step-mine" / "w.txt").read_text() == "mine"
+    assert not (run_dir / "checkpoints" / "step-00000010").exists()
+
+
+def test_fresh_in_a_folder_that_never_held_a_meshforge_run_removes_nothing(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    mine = {"config.yaml": "kind: Pod\n", "metrics.jsonl": "{}\n", "report.html": "<p>"}
+    for name, text in mine.items():
+        (folder / name).write_text(text)
+    (folder / "logs").mkdir()
+    (folder / "logs" / "rank-0.log").write_text("mine")
+
+    with pytest.raises(ConfigError, match="is not a meshforge run") as err:
+        remove_earlier_run(folder)
+
+    assert "\n" not in str(err.value) and "nothing removed" in str(err.value)
+    assert all((folder / name).read_text() == text for name, text in mine.items())
+    assert (folder / "logs" / "rank-0.log").read_text() == "mine"

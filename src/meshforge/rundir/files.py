@@ -135,6 +135,12 @@ def remove_earlier_run(run_dir: Path) -> str | None:
     reached = max(earlier.checkpoints, default=None) if earlier else None
     ours = recorded_outputs(run_dir)
     legacy = ours is None
+    if legacy and earlier is not None and not _was_meshforges(earlier):
+        raise ConfigError(
+            f"--fresh: {run_dir} is not a meshforge run (no record of what meshforge wrote "
+            "there, no job's config.yaml, committed checkpoint or segments.jsonl): nothing "
+            "removed; choose another --run-dir"
+        )
     entries = legacy_entries(run_dir) if legacy else sorted(ours)
     if "checkpoints" not in entries or (run_dir / "checkpoints").is_symlink():
         reached = None  # not meshforge's to remove: its checkpoints stay
@@ -170,6 +176,12 @@ def remove_earlier_run(run_dir: Path) -> str | None:
             "removed only its files and folders named as meshforge names them, no symlink"
         )
     return line + "; starting over"
+
+
+def _was_meshforges(earlier: EarlierRun) -> bool:
+    """Whether a run directory without a record of meshforge's outputs shows a run of
+    an older meshforge (files merely named as meshforge names them do not)."""
+    return bool(is_job_config(earlier.config) or earlier.checkpoints or earlier.records)
 
 
 def _empty_folder(folder: Path, patterns: tuple[str, ...]) -> int:

@@ -58,7 +58,7 @@ RUN_FILES = (
     ".*.tmp",  # atomic writes caught halfway (fileio.write_text_atomic, plots)
 )
 RUN_FOLDERS = {
-    "checkpoints": ("step-*", ".tmp-step-*"),
+    "checkpoints": ("step-[0-9]*", ".tmp-step-[0-9]*"),  # step-NNNNNNNN, not step-mine
     "logs": ("rank-*.log", "elastic"),
     "health": (
         "diagnosis.json",
@@ -96,10 +96,18 @@ def claim(run_dir: Path, name: str) -> bool:
     """Before creating the top-level entry NAME of RUN_DIR: record it as meshforge's when
     it is not there yet. True when NAME is meshforge's (recorded now or before); False
     when something meshforge did not create is there already (leave it be, or write
-    into it knowing that `--fresh` will keep it)."""
+    into it knowing that `--fresh` will keep it). A symbolic link at NAME is refused
+    (ConfigError): meshforge writes a run's outputs into the run directory itself, never
+    through a link planted there (a received run directory is data)."""
     if not _is_entry_name(name):
         raise ValueError(f"not a top-level entry name: {name!r}")
     run_dir = Path(run_dir)
+    if (run_dir / name).is_symlink():
+        raise ConfigError(
+            f"{run_dir / name} is a symbolic link: meshforge writes a run's files into the "
+            "run directory itself, never through a link; remove the link or choose "
+            "another --run-dir"
+        )
     try:
         ours = recorded_outputs(run_dir)
         if ours is None:
