@@ -192,11 +192,19 @@ def test_failing_sinks_warn_once_and_training_goes_on(tmp_path, full_disk):
     port = unused_port()
     job = Job(tmp_path, {"observe": {"prometheus_port": port, "log_every": 2}})
     job.run_dir.mkdir()
-    (job.run_dir / "metrics.jsonl").symlink_to(full_disk / "metrics.jsonl")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port))
-        taken.listen()
-        proc = job.train(2)
+    # the full disk's file mounted over the run's metrics.jsonl (a bind mount, not a
+    # symlink: meshforge refuses to write a run's outputs through a link)
+    metrics = job.run_dir / "metrics.jsonl"
+    metrics.touch()
+    subprocess.run(["mount", "--bind", str(full_disk / "metrics.jsonl"), str(metrics)],
+                   check=True, capture_output=True)  # fmt: skip
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            proc = job.train(2)
+    finally:
+        subprocess.run(["umount", "-l", str(metrics)], capture_output=True)
     text = proc.stdout + proc.stderr
     assert text.count(f"Prometheus endpoint on 127.0.0.1:{port} not started") == 1, text
     assert text.count("metrics.jsonl stopped") == 1, text
