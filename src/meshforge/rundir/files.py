@@ -21,7 +21,12 @@ from typing import Any
 import yaml
 
 from meshforge.errors import ConfigError, DataError
-from meshforge.rundir.checkpoints import TRAINER_STATE, committed_checkpoints, step_dir_name
+from meshforge.rundir.checkpoints import (
+    MANIFEST,
+    TRAINER_STATE,
+    committed_checkpoints,
+    step_dir_name,
+)
 from meshforge.rundir.outputs import (
     LOCK_FILE,
     LOCK_FILES,
@@ -34,8 +39,8 @@ from meshforge.rundir.outputs import (
     recorded_outputs,
     rewrite_outputs,
 )
-from meshforge.rundir.report import read_report_or_none
-from meshforge.rundir.segments import read_records
+from meshforge.rundir.report import REPORT_FILE, read_report_or_none
+from meshforge.rundir.segments import SEGMENTS_FILE, read_records
 
 # the names meshforge writes and the record of what it created are rundir/outputs.py's
 # (they stay importable from here)
@@ -136,6 +141,8 @@ def remove_earlier_run(run_dir: Path) -> str | None:
     ours = recorded_outputs(run_dir)
     legacy = ours is None
     if legacy and earlier is not None and not _was_meshforges(earlier):
+        if not _would_remove(run_dir, legacy_entries(run_dir)):
+            return None
         raise ConfigError(
             f"--fresh: {run_dir} is not a meshforge run (no record of what meshforge wrote "
             "there, no job's config.yaml, committed checkpoint or segments.jsonl): nothing "
@@ -180,8 +187,29 @@ def remove_earlier_run(run_dir: Path) -> str | None:
 
 def _was_meshforges(earlier: EarlierRun) -> bool:
     """Whether a run directory without a record of meshforge's outputs shows a run of
-    an older meshforge (files merely named as meshforge names them do not)."""
-    return bool(is_job_config(earlier.config) or earlier.checkpoints or earlier.records)
+    an older meshforge: a job's config.yaml, its own files (segments.jsonl, report.json)
+    or a checkpoint with a manifest. A config.yaml, metrics.jsonl or report.html alone
+    are names other tools use too."""
+    run_dir = earlier.run_dir
+    return (
+        is_job_config(earlier.config)
+        or any(os.path.lexists(run_dir / name) for name in (SEGMENTS_FILE, REPORT_FILE))
+        or any((run_dir / "checkpoints").glob(f"step-[0-9]*/{MANIFEST}"))
+    )
+
+
+def _would_remove(run_dir: Path, entries: list[str]) -> bool:
+    """Whether `--fresh` would remove anything of ENTRIES (a file, or a folder's entry
+    that meshforge names there)."""
+    for name in entries:
+        path = run_dir / name
+        if name in LOCK_FILES or path.is_symlink() or not os.path.lexists(path):
+            continue
+        if not path.is_dir():
+            return True
+        if any(any(path.glob(p)) for p in RUN_FOLDERS.get(name, ("*", ".*"))):
+            return True
+    return False
 
 
 def _empty_folder(folder: Path, patterns: tuple[str, ...]) -> int:
