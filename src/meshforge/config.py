@@ -39,9 +39,62 @@ class _Section(BaseModel):
 FAMILIES = ("gpt", "llama")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # fields that shape one family only, with the value that means "not given"
-_LLAMA_ONLY = {"n_kv_heads": None, "ffn_hidden": None, "rope_theta": 10000.0, "norm_eps": 1e-5}
+_LLAMA_ONLY = {
+    "n_kv_heads": None,
+    "ffn_hidden": None,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "head_dim": None,
+    "moe": None,
+}
 _GPT_ONLY = {"mlp_ratio": 4, "dropout": 0.0}
 _SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, **_LLAMA_ONLY, **_GPT_ONLY}
+
+
+class MoEConfig(_Section):
+    """A mixture-of-experts feed-forward in every layer after the first `dense_layers`
+    (Llama family): `experts` SwiGLU experts `expert_ffn` wide, each token routed to
+    `top_k` of them by a router computed in fp32, plus `shared_experts` that every
+    token passes through. `router`: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3);
+    the top-k weights are renormalised to sum to 1. `load_balance`: the Switch
+    Transformer auxiliary loss (weighted by `aux_loss_coeff`), DeepSeek-V3's
+    per-expert routing bias (moved by `bias_update_rate` after every step), or none.
+    `capacity_factor`: null routes every token (dropless); a number c caps each expert
+    at ceil(c x tokens x top_k / experts) tokens per micro-batch and drops the rest."""
+
+    experts: int = Field(ge=2)
+    top_k: int = Field(2, ge=1)
+    expert_ffn: int = Field(ge=1)
+    shared_experts: int = Field(0, ge=0)
+    dense_layers: int = Field(0, ge=0)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_coeff: float = Field(0.01, ge=0)
+    bias_update_rate: float = Field(0.001, gt=0)
+    capacity_factor: float | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} is larger than model.moe.experts={self.experts}"
+            )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(
+                f"model.moe.capacity_factor={self.capacity_factor} must be > 0 "
+                "(or null: dropless routing)"
+            )
+        given = self.model_fields_set
+        if "aux_loss_coeff" in given and self.load_balance != "aux_loss":
+            raise ValueError(
+                f"model.moe.aux_loss_coeff applies to load_balance=aux_loss, "
+                f"not {self.load_balance}"
+            )
+        if "bias_update_rate" in given and self.load_balance != "bias":
+            raise ValueError(
+                f"model.moe.bias_update_rate applies to load_balance=bias, not {self.load_balance}"
+            )
+        return self
 
 
 class ModelConfig(_Section):
@@ -65,6 +118,8 @@ class ModelConfig(_Section):
     ffn_hidden: int | None = Field(None, ge=1)  # llama: SwiGLU width; 8/3 d_model, x64
     rope_theta: float = Field(10000.0, gt=0)  # llama: rotary base
     norm_eps: float = Field(1e-5, gt=0)  # llama: RMSNorm epsilon
+    head_dim: int | None = Field(None, ge=2)  # llama: per-head width; d_model/n_heads
+    moe: MoEConfig | None = None  # llama: mixture-of-experts feed-forward
     kwargs: dict[str, Any] | None = None  # a factory's keyword arguments
     # a factory's tensor-parallel plan: "package.module:function", called as
     # function(model, tp_mesh) to shard the model in place (parallelize_module)
@@ -77,7 +132,10 @@ class ModelConfig(_Section):
             return value
         value = dict(value)
         if value.get("preset") is not None:
-            value = {**preset(str(value["preset"])), **value}
+            base = preset(str(value["preset"]))
+            if isinstance(base.get("moe"), dict) and isinstance(value.get("moe"), dict):
+                value["moe"] = {**base["moe"], **value["moe"]}  # moe fields given beside win
+            value = {**base, **value}
         if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
             value["tie_embeddings"] = False  # Llama-style models have a head of their own
         return value
@@ -99,18 +157,22 @@ class ModelConfig(_Section):
             if getattr(self, key) != unset:
                 owner = "llama" if self.name == "gpt" else "gpt"
                 raise ValueError(f"model.{key} applies to model.name={owner}, not {self.name}")
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and self.head_dim is None:
             raise ValueError(
                 f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}"
+            )
+        if self.moe is not None and self.moe.dense_layers >= self.n_layers:
+            raise ValueError(
+                f"model.moe.dense_layers={self.moe.dense_layers} leaves no mixture-of-experts "
+                f"layer in model.n_layers={self.n_layers}"
             )
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"model.n_kv_heads={self.kv_heads} does not divide model.n_heads={self.n_heads}"
             )
-        if self.name == "llama" and (self.d_model // self.n_heads) % 2:
+        if self.name == "llama" and self.attention_head_dim % 2:
             raise ValueError(
-                f"rotary embeddings need an even head size; d_model/n_heads = "
-                f"{self.d_model // self.n_heads}"
+                f"rotary embeddings need an even head size; got {self.attention_head_dim}"
             )
         return self
 
@@ -153,7 +215,13 @@ class ModelConfig(_Section):
             vocab_size=self.vocab_size,
             seq_len=self.seq_len,
             tie_embeddings=self.tie_embeddings,
+            experts=self.moe.experts if self.moe is not None else 0,
         )
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head: model.head_dim, or d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -217,6 +285,10 @@ class ParallelConfig(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    # expert parallel: each rank holds model.moe.experts / ep experts; the ep ranks are
+    # borrowed from the data-parallel ranks (ep divides dp), tokens reach their experts
+    # by all-to-all
+    ep: int = Field(1, ge=1)
     # Under pp > 1 the pipeline's micro-batches are the gradient-accumulation
     # micro-batches: global_batch / (dp x micro_batch) of them, micro_batch each.
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
@@ -260,7 +332,7 @@ class ParallelConfig(_Section):
     @property
     def is_ddp(self) -> bool:
         """Plain DistributedDataParallel carries the gradients (zero 0/1, no tp/pp)."""
-        return self.zero <= 1 and self.tp == 1 and self.pp == 1
+        return self.zero <= 1 and self.tp == 1 and self.pp == 1 and self.ep == 1
 
 
 def check_comm(p: ParallelConfig) -> None:
@@ -269,7 +341,7 @@ def check_comm(p: ParallelConfig) -> None:
     c = p.comm
     # settings that differ from their defaults (a resolved config.yaml lists them all)
     given = {k for k, f in CommConfig.model_fields.items() if getattr(c, k) != f.default}
-    layout = f"parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}"
+    layout = f"parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}" + (f", ep={p.ep}" if p.ep > 1 else "")
     if p.mode == "parameter_server":
         if p.zero or p.tp > 1 or p.pp > 1:
             raise ValueError(
@@ -548,6 +620,7 @@ class JobConfig(_Section):
         return LayoutRequest(
             tp=p.tp,
             pp=p.pp,
+            ep=p.ep,
             dp=None if p.dp == "auto" else p.dp,
             zero=p.zero,
             sequence_parallel=p.sequence_parallel,

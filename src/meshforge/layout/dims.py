@@ -10,6 +10,11 @@ group is contiguous, so it stays inside a node when it fits), data parallel next
 pipeline stages outermost. The mesh is `("pp", "dp", "tp")`;
 global rank = tp_rank + tp * (dp_rank + dp * pp_rank).
 
+Expert parallelism borrows its ranks from data parallelism (as torchtitan does): the
+dp dimension is cut into ("edp", "ep"), ep innermost, so an expert group is `ep`
+consecutive data-parallel ranks; `edp` = dp / ep ranks hold the same experts.
+dp_rank = edp_rank * ep + ep_rank.
+
 Under `parallel.mode: parameter_server` there is no mesh: the first `dp` ranks are
 workers (data parallel replicas, global rank 0 among them) and the last `servers`
 ranks hold the parameters and optimizer state (parallel/param_server.py).
@@ -30,6 +35,7 @@ class ParallelDims:
     dp: int
     tp: int
     pp: int
+    ep: int = 1  # expert parallel: a divisor of dp (its ranks are data-parallel ranks)
     zero: int = 0
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
@@ -66,6 +72,15 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks that hold the same experts (dp / ep)."""
+        return self.dp // self.ep
+
+    @property
     def n_stages(self) -> int:
         return self.pp * stages_per_rank(self.pp_schedule, self.virtual_stages)
 
@@ -84,6 +99,8 @@ class ParallelDims:
                 sync=self.ps_sync,
                 max_staleness=self.max_staleness,
             )
+        if self.ep_enabled:
+            out["ep"] = self.ep
         if self.tp_enabled:
             out["sequence_parallel"] = self.sequence_parallel
         if self.pp_enabled:

@@ -58,6 +58,8 @@ JOB_NAMES = Names(
         "dp": "parallel.dp",
         "tp": "parallel.tp",
         "pp": "parallel.pp",
+        "ep": "parallel.ep",
+        "experts": "model.moe.experts",
         "zero": "parallel.zero",
         "sequence_parallel": "parallel.sequence_parallel",
         "pp_schedule": "parallel.pp_schedule",
@@ -96,6 +98,7 @@ class ModelShape:
     tie_embeddings: bool = False
     factory: str | None = None
     tp_plan: bool = False
+    experts: int = 0  # a mixture-of-experts model's routed experts per layer (0: dense)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class LayoutRequest:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     dp: int | None = None
     zero: int = 0
     sequence_parallel: bool = False
@@ -133,7 +137,12 @@ def check(
     `world_size=None`: the rules that need it (dp, the batch split) are checked only
     as far as `req.dp` fixes them."""
     n, out = names, []
-    degrees = [("tp", req.tp), ("pp", req.pp), ("virtual_stages", req.virtual_stages)]
+    degrees = [
+        ("tp", req.tp),
+        ("pp", req.pp),
+        ("ep", req.ep),
+        ("virtual_stages", req.virtual_stages),
+    ]
     for key, value in ([("dp", req.dp)] if req.dp is not None else []) + degrees:
         if value < 1:
             out.append(f"{n.name(key)} must be >= 1, got {value}")
@@ -152,7 +161,13 @@ def check(
         out += _stage_rules(req, shape, n)
     if trainer:
         out += _trainer_rules(req, shape, n)
+        out += _expert_rules(req, shape, n)
     dp = _world_rules(req, n, world_size, out)
+    if dp is not None and req.ep > 1 and dp % req.ep:
+        out.append(
+            f"{n.show('ep', req.ep)} does not divide the data-parallel ranks dp={dp} "
+            "(expert-parallel ranks are borrowed from the data-parallel ones)"
+        )
     if dp is not None and req.global_batch is not None and req.micro_batch is not None:
         out += _batch_rules(req, n, dp, world_size)
     return out
@@ -181,6 +196,7 @@ def derive(
         dp=dp,
         tp=req.tp,
         pp=req.pp,
+        ep=req.ep,
         zero=req.zero,
         sequence_parallel=req.sequence_parallel,
         pp_schedule=req.pp_schedule,
@@ -311,6 +327,40 @@ def _trainer_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             f"{n.show('dtype', 'fp16')} with {n.show('mode', 'parameter_server')} is not "
             "supported (its loss scaler would have to agree across workers); use bf16"
         )
+    return out
+
+
+def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
+    """Expert parallelism: a mixture-of-experts model whose experts split evenly, over
+    ranks borrowed from data parallelism, beside the layouts its all-to-all composes
+    with."""
+    out, ep = [], req.ep
+    if shape.experts and req.sequence_parallel:
+        out.append(
+            f"{n.show('sequence_parallel', True)} with a mixture-of-experts model is not "
+            "supported (its router reads whole sequences)"
+        )
+    if ep == 1:
+        return out
+    if not shape.experts:
+        what = n.show("model", shape.factory) if shape.factory else "a dense model"
+        return out + [f"{n.show('ep', ep)} needs a mixture-of-experts model (model.moe), not {what}"]
+    if shape.experts % ep:
+        out.append(f"{n.show('ep', ep)} does not divide {n.show('experts', shape.experts)}")
+    if req.servers is not None:
+        out.append(
+            f"{n.show('ep', ep)} with {n.show('mode', 'parameter_server')} is not supported "
+            "(a parameter server holds whole replicas)"
+        )
+    if req.zero == 1:
+        out.append(
+            f"{n.show('ep', ep)} with {n.show('zero', 1)} is not supported (torch's "
+            "ZeroRedundancyOptimizer takes plain tensors only); use zero: 0, 2 or 3"
+        )
+    if req.dtype == "fp16":
+        out.append(f"{n.show('ep', ep)} with {n.show('dtype', 'fp16')} is not supported; use bf16")
+    if req.compile:
+        out.append(f"{n.show('compile', True)} is supported with {n.name('ep')}=1 only")
     return out
 
 
