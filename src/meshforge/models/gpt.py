@@ -162,6 +162,9 @@ class DecoderLM(nn.Module):
         for name, p in self.named_parameters():
             full = init_value(name, tuple(p.shape), self.cfg.n_layers, seed)
             copy_full_into(p, full)
+        for m in self.modules():  # state that is not a parameter (a router's bias)
+            if m is not self and hasattr(m, "reset_buffers"):
+                m.reset_buffers()
 
     @torch.no_grad()
     def generate(

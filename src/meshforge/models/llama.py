@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.gpt import DecoderLM
+from meshforge.models.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int | None = None  # per-head width; d_model // n_heads when None
+    moe: MoEArgs | None = None  # a mixture-of-experts feed-forward after moe.dense_layers
 
 
 def rotary(x: torch.Tensor, theta: float, dims: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,12 +66,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaArgs) -> None:
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
-        kv = cfg.n_kv_heads * self.head_dim
-        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        q, kv = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
+        self.q = nn.Linear(cfg.d_model, q, bias=False)
         self.k = nn.Linear(cfg.d_model, kv, bias=False)
         self.v = nn.Linear(cfg.d_model, kv, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj = nn.Linear(q, cfg.d_model, bias=False)
         self.theta = cfg.rope_theta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +102,16 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: LlamaArgs) -> None:
+    def __init__(self, cfg: LlamaArgs, layer: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ln2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+        self.mlp: nn.Module
+        if cfg.moe is not None and layer >= cfg.moe.dense_layers:
+            self.mlp = MoE(cfg.d_model, cfg.moe)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -125,7 +132,7 @@ class Llama(DecoderLM):
     two residual projections of each block N(0, 0.02/sqrt(2L)), RMSNorm weights 1."""
 
     def __init__(self, cfg: LlamaArgs) -> None:
-        blocks = [LlamaBlock(cfg) for _ in range(cfg.n_layers)]
+        blocks = [LlamaBlock(cfg, i) for i in range(cfg.n_layers)]
         super().__init__(
             cfg, TokenEmbedding(cfg), blocks, nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         )

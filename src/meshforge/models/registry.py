@@ -34,6 +34,7 @@ from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.models.gpt import GPT, DecoderLM, GPTArgs
 from meshforge.models.llama import Llama, LlamaArgs
+from meshforge.models.moe import MoEArgs
 
 
 def model_args(cfg: ModelConfig) -> GPTArgs | LlamaArgs:
@@ -52,6 +53,8 @@ def model_args(cfg: ModelConfig) -> GPTArgs | LlamaArgs:
             rope_theta=cfg.rope_theta,
             norm_eps=cfg.norm_eps,
             tie_embeddings=cfg.tie_embeddings,
+            head_dim=cfg.head_dim,
+            moe=MoEArgs(**cfg.moe.model_dump()) if cfg.moe is not None else None,
         )
     return GPTArgs(
         vocab_size=cfg.vocab_size,

@@ -13,7 +13,14 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     dimension of size 1 is kept so every layout names the same dimensions."""
     if dims.parameter_server:
         raise ValueError("a parameter-server layout has no device mesh")
-    return init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if not dims.ep_enabled:
+        return init_device_mesh(device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    # expert parallel: dp cut into ("edp", "ep"), ep innermost, and flattened back
+    # into "dp" so that everything else names the same dimensions
+    shape = (dims.pp, dims.edp, dims.ep, dims.tp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+    mesh["edp", "ep"]._flatten("dp")
+    return mesh
 
 
 def data_parallel_mesh(device: torch.device, dp: int) -> DeviceMesh:

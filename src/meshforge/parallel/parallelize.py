@@ -46,6 +46,11 @@ from meshforge.models.registry import (
     tensor_parallel_plan,
 )
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+from meshforge.parallel.expert_parallel import (
+    ExpertGradSync,
+    apply_expert_parallel,
+    expert_parameters,
+)
 from meshforge.parallel.comm import (
     DTYPES,
     FlatGradReduction,
@@ -73,6 +78,8 @@ class ModelParts:
     dtype: str
     deferred: FlatGradReduction | None = None
     n_params: int = 0  # parameters of the whole model (every stage and shard)
+    # expert parallel: the expert weights' gradient reduction (outside the wrappers)
+    expert_sync: ExpertGradSync | None = None
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -122,7 +129,10 @@ class ModelParts:
         ranks when the reduction was deferred (the wrappers reduce them in backward
         otherwise)."""
         if self.deferred is not None:
-            self.deferred(list(self.parameters()))
+            ignored = set(self.expert_sync.params) if self.expert_sync else set()
+            self.deferred([p for p in self.parameters() if p not in ignored])
+        if self.expert_sync is not None:
+            self.expert_sync()
 
 
 def build_model_parts(
@@ -160,6 +170,8 @@ def build_model_parts(
                 sequence_parallel=dims.sequence_parallel,
                 loss_parallel=loss_parallel_enabled(cfg, dims),
             )
+        if dims.ep_enabled:
+            apply_expert_parallel(m, mesh["ep"])
         blocks = blocks_of(m)
         if not blocks and t.activation_checkpointing != "none":
             raise ConfigError(
@@ -182,10 +194,14 @@ def build_model_parts(
 
     comm = cfg._parallel().comm
     dtype = cfg.precision.dtype
+    ignored = set(expert_parameters(modules)) if dims.ep_enabled else set()
     parts = wrap_data_parallel(
-        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise
+        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise, ignored=ignored
     )
     parts.n_params = n_params
+    if ignored:
+        edp = mesh["edp"].get_group() if dims.edp > 1 else None
+        parts.expert_sync = ExpertGradSync(sorted(ignored, key=id), edp, dims.dp)
     return parts
 
 
@@ -199,17 +215,19 @@ def wrap_data_parallel(
     device: torch.device,
     materialise: Callable[[nn.Module], None] | None = None,
     units: list[nn.Module] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> ModelParts:
     """`modules` wrapped for data parallelism (`wrapper`: "ddp", "fsdp", "replicate" or
     "none"; `comm`: parallel.comm's settings): FSDP units are sharded before
     `materialise` (if given) runs on each module, DDP wraps after it. `units`: the
     submodules that become FSDP units of their own (default: the module's blocks).
     The trainer's model, train/calibration.py's timed blocks and a Fabric user's
-    model (parallel/data_parallel.py) are all wrapped here."""
+    model (parallel/data_parallel.py) are all wrapped here. `ignored`: parameters
+    the wrappers leave alone (expert weights, reduced by parallel/expert_parallel.py)."""
     if wrapper in ("fsdp", "replicate"):
         mp = mixed_precision(dtype, comm.reduce_dtype)
         for m in modules:
-            _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units)
+            _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units, ignored)
     if materialise is not None:
         for m in modules:
             materialise(m)
@@ -217,6 +235,10 @@ def wrap_data_parallel(
     deferred = None
     if wrapper == "ddp":
         group = dp_mesh.get_group()
+        if ignored:
+            for m in modules:
+                names = [n for n, p in m.named_parameters() if p in ignored]
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, names)
         callables = [
             DistributedDataParallel(
                 m,
@@ -269,8 +291,11 @@ def _shard(
     mp: MixedPrecisionPolicy | None,
     prefetch: int | None,
     units: list[nn.Module] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    kwargs = {} if mp is None else {"mp_policy": mp}
+    kwargs: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if wrapper == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

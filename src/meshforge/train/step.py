@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from meshforge.config import JobConfig
 from meshforge.layout import ParallelDims
+from meshforge.models.moe import set_aux_loss_scale
 from meshforge.observe.memory import SavedActivations
 from meshforge.parallel.parallelize import (
     ModelParts,
@@ -121,6 +122,8 @@ class StepStrategy:
     # -- one optimizer step -----------------------------------------------------------------
     def step(self, step: int, micro_batches: Batch, measure: bool) -> StepResult:
         self.optimizers.set_lr(step)
+        # every micro-batch's loss is divided by their count: so is its auxiliary loss
+        set_aux_loss_scale(1.0 / len(micro_batches))
         self._phase("forward_backward")
         result = self.forward_backward(micro_batches, measure)
         self._phase("optimizer")
@@ -210,6 +213,7 @@ class PipelinedStep(StepStrategy):
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
         with self.autocast():  # the pipeline enters loss_parallel itself
             loss_sum = self.pipeline.step(x, y)
+        self.parts.reduce_gradients()  # expert weights' (the wrappers reduce the rest)
         if loss_sum is None:
             loss_sum = torch.zeros((), device=self.device)
         return StepResult(
