@@ -66,3 +66,93 @@ def test_every_expert_layout_matches_world_1_step_by_step(gloo, reference, layou
     assert results[0]["layout"]["ep"] == parallel["ep"]
     for rank, out in enumerate(results):
         _assert_same_losses(out["losses"], reference, f"{name} rank {rank}", RTOL)
+
+
+def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
+    """train_layout's loop with the trainer's expert-load accounting: the losses, and
+    the `moe` section of a row logged after every step (collective on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from layouts import _tokens
+    from meshforge.config import build_config
+    from meshforge.data.loader import rank_micro_batches
+    from meshforge.train.engine import Engine
+    from meshforge.train.moe_load import ExpertLoad
+
+    cfg = build_config(raw)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.train.seed)
+    engine = Engine.build(cfg, rank, world, torch.device("cpu"))
+    dims, t = engine.dims, cfg.train
+    load = ExpertLoad(engine.parts, dims, engine.mesh, rank, cfg.model.n_layers)
+    out: dict[str, Any] = {"losses": {}, "moe": {}}
+    for step in range(steps):
+        micro_batches = rank_micro_batches(
+            _tokens(cfg.data.source), seq_len=cfg.model.seq_len, global_batch=t.global_batch,
+            micro_batch=t.micro_batch, dp_rank=engine.dp_rank, dp_size=dims.dp, seed=t.seed,
+            step=step,
+        )  # fmt: skip
+        result = engine.strategy.step(step, micro_batches, measure=False)
+        out["losses"][step + 1] = engine.strategy.reduce_loss(
+            result.loss_sum / dims.microbatches
+        ).item()
+        engine.optimizers.zero_grad()
+        load.after_step()
+        out["moe"][step + 1] = load.interval(torch.device("cpu"))
+    out["bias"] = {
+        name: buf.tolist()
+        for part in engine.parts.modules
+        for name, buf in part.named_buffers()
+        if name.endswith("expert_bias")
+    }
+    return out
+
+
+TOKENS_PER_STEP = 8 * 32  # global batch x seq_len
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"ep": 2}), (4, {"ep": 2, "tp": 2}),
+                                            (4, {"ep": 2, "pp": 2})],
+                         ids=["world1", "ep2", "ep2xtp2", "ep2xpp2"])  # fmt: skip
+def test_routing_counts_add_up_to_tokens_times_top_k(gloo, world, parallel):
+    results = gloo.run(world, train_with_load, moe_job(parallel), 3)
+    for out in results:  # every rank sees the same reduced counts
+        assert out["moe"] == results[0]["moe"]
+    for step, section in results[0]["moe"].items():
+        assert section["layers"] == [0, 1, 2, 3], step
+        for layer, tokens in zip(section["layers"], section["tokens_per_expert"], strict=True):
+            assert len(tokens) == 4
+            assert sum(tokens) == TOKENS_PER_STEP * 2, (step, layer, tokens)
+        assert section["dropped"] == 0
+        assert section["max_load"] >= 1.0
+        assert section["aux_loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_capacity_factor_drops_tokens_and_ep2_matches_world_1(gloo):
+    capped = {"capacity_factor": 0.5}  # each expert takes half its even share
+    (ref,) = gloo.run(1, train_with_load, moe_job({}, **capped), 6)
+    ep2 = gloo.run(2, train_with_load, moe_job({"ep": 2}, **capped), 6)[0]
+    _assert_same_losses(ep2["losses"], ref["losses"], "ep2 with capacity", RTOL)
+    for step, section in ref["moe"].items():
+        # routed counts still add up; at least half of them are dropped at c = 0.5
+        assert all(sum(t) == TOKENS_PER_STEP * 2 for t in section["tokens_per_expert"])
+        assert section["dropped"] >= TOKENS_PER_STEP * 2 * 4 // 2, step
+        assert ep2["moe"][step]["dropped"] == section["dropped"], step
+        assert ep2["moe"][step]["tokens_per_expert"] == section["tokens_per_expert"], step
+
+
+@pytest.mark.slow
+def test_bias_balancing_moves_the_same_bias_under_ep2_as_at_world_1(gloo):
+    bias = {"load_balance": "bias", "bias_update_rate": 0.01}
+    (ref,) = gloo.run(1, train_with_load, moe_job({}, **bias), 10)
+    ep2 = gloo.run(2, train_with_load, moe_job({"ep": 2}, **bias), 10)[0]
+    _assert_same_losses(ep2["losses"], ref["losses"], "ep2 with bias balancing", RTOL)
+    assert "aux_loss" not in ref["moe"][10]
+    # every layer's bias moved, by the load over both ranks: as world 1's did
+    assert sorted(ref["bias"]) == [f"blocks.{i}.mlp.expert_bias" for i in range(4)]
+    for name, bias in ref["bias"].items():
+        assert any(b != 0 for b in bias), name
+        assert ep2["bias"][name] == pytest.approx(bias, abs=1e-6), name

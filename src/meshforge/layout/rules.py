@@ -344,7 +344,9 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
         return out
     if not shape.experts:
         what = n.show("model", shape.factory) if shape.factory else "a dense model"
-        return out + [f"{n.show('ep', ep)} needs a mixture-of-experts model (model.moe), not {what}"]
+        return out + [
+            f"{n.show('ep', ep)} needs a mixture-of-experts model (model.moe), not {what}"
+        ]
     if shape.experts % ep:
         out.append(f"{n.show('ep', ep)} does not divide {n.show('experts', shape.experts)}")
     if req.servers is not None:

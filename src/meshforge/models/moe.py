@@ -32,7 +32,9 @@ expert, before any drop), `dropped` and `aux_sum`; the trainer takes them with
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,21 @@ def set_aux_loss_scale(scale: float) -> None:
     """Set by the step before its backward passes: the factor the main loss of each
     micro-batch is multiplied by."""
     _AuxScale.value = float(scale)
+
+
+class _Counting:
+    enabled = True
+
+
+@contextlib.contextmanager
+def counting_routes(enabled: bool) -> Iterator[None]:
+    """Whether training forwards add to the routing statistics: off for a forward that
+    is not a micro-batch's (a pipeline's shape inference on placeholder tensors)."""
+    before, _Counting.enabled = _Counting.enabled, enabled
+    try:
+        yield
+    finally:
+        _Counting.enabled = before
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -214,7 +231,8 @@ class MoE(nn.Module):
             aux = a.experts * (share * probs.mean(dim=0)).sum()
             if self.training and torch.is_grad_enabled() and a.aux_loss_coeff > 0:
                 out = AuxLossInjector.apply(out, aux * a.aux_loss_coeff)
-        if self.training and torch._C._current_graph_task_id() == -1:  # not a recompute
+        # not a recompute under activation checkpointing, not a shape inference
+        if self.training and _Counting.enabled and torch._C._current_graph_task_id() == -1:
             self._record(routed, dropped, aux)
         return out.reshape(shape)
 

@@ -46,17 +46,17 @@ from meshforge.models.registry import (
     tensor_parallel_plan,
 )
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
-from meshforge.parallel.expert_parallel import (
-    ExpertGradSync,
-    apply_expert_parallel,
-    expert_parameters,
-)
 from meshforge.parallel.comm import (
     DTYPES,
     FlatGradReduction,
     mixed_precision,
     register_compression,
     set_prefetch,
+)
+from meshforge.parallel.expert_parallel import (
+    ExpertGradSync,
+    apply_expert_parallel,
+    expert_parameters,
 )
 
 

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
 from meshforge.layout.schedule import interleaved_accepts, min_microbatches, stages_per_rank
 from meshforge.layout.stages import layer_split
+from meshforge.models.moe import counting_routes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 _FORWARD_ACTIONS = (FORWARD, SEND_F, RECV_F, UNSHARD, RESHARD)
@@ -188,7 +189,8 @@ class Pipeline:
                 self._in_schedule = True
             t0 = self._now()
             try:
-                return fn(*args, **kwargs)
+                with counting_routes(starts_run):  # a micro-batch's forward: its routes count
+                    return fn(*args, **kwargs)
             finally:
                 self.busy_s += self._now() - t0
 
@@ -232,8 +234,10 @@ class Pipeline:
         t0 = self._now()
         with ctx:
             if train:
-                # return_outputs=False: nobody needs every micro-batch's logits kept
-                self.schedule.step(*args, return_outputs=False, **kwargs)
+                # return_outputs=False: nobody needs every micro-batch's logits kept;
+                # the shape inference's forward on placeholders routes nothing that counts
+                with counting_routes(False):
+                    self.schedule.step(*args, return_outputs=False, **kwargs)
             else:
                 self._eval(args, kwargs)
         self.wall_s = self._now() - t0

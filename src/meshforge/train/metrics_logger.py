@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshforge.observe.console import TrainingProgress, status_text
+from meshforge.observe.expert_load import hot_expert_cause
 from meshforge.observe.memhealth import memory_advice
 from meshforge.observe.memory import peak_memory_bytes
 from meshforge.observe.metrics import JsonlSink
@@ -30,6 +31,7 @@ from meshforge.rundir.records import read_jsonl
 from meshforge.runtime.agree import host_of_rank
 from meshforge.runtime.dist import Runtime
 from meshforge.train.exposed_comm import CommMeasure
+from meshforge.train.moe_load import ExpertLoad
 from meshforge.train.step import StepResult
 
 if TYPE_CHECKING:
@@ -68,6 +70,10 @@ class MetricsLogger:
         self._sinks: Sinks | None = None
         self._interval_t0, self._interval_steps = time.perf_counter(), 0
         self._wait0, self._first_interval, self._slow_data_warned = 0.0, True, False
+        # a mixture of experts' routing: taken after every step, reduced per row
+        self.expert_load = ExpertLoad(
+            engine.parts, engine.dims, engine.mesh, rt.rank, cfg.model.n_layers
+        )
 
     # -- the run's start ---------------------------------------------------------------------
     def open(
@@ -142,6 +148,9 @@ class MetricsLogger:
         tokens_per_s = self._interval_steps * self.tokens_per_step / interval_s
         row = self._row(step, loss, result, now - t0, data_s, tokens_per_s)
         row.update(comm)
+        moe = self.expert_load.interval(self.device)
+        if moe is not None:
+            row["moe"] = moe
         # the share of the interval's wall time spent waiting for batches
         row["data_wait_fraction"] = (wait_s - self._wait0) / max(interval_s, 1e-9)
         self._wait0 = wait_s
@@ -154,8 +163,15 @@ class MetricsLogger:
         self._add_rank_figures(row, ranks)
         if stragglers:
             row["stragglers"] = stragglers
+            causes = {r: hot_expert_cause(r, self.dims, moe) for r in stragglers}
+            causes = {r: c for r, c in causes.items() if c}
+            if causes:
+                row["straggler_causes"] = {str(r): c for r, c in causes.items()}
             named = ", ".join(
-                f"{r} ({self.stragglers.named[r]:.2f}x the median)" for r in stragglers
+                f"{r} ({self.stragglers.named[r]:.2f}x the median"
+                + (f"; {causes[r]}" if r in causes else "")
+                + ")"
+                for r in stragglers
             )
             self.warn(f"straggler: rank(s) {named} of their own work per step")
         return row

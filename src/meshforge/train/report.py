@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshforge.observe.expert_load import moe_summary
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.peak import PeakFlops
 from meshforge.redact import redact_tree
@@ -203,6 +204,9 @@ def build_report(
             for r, x in sorted(summary.stragglers.items())
         ],
     }
+    moe = moe_summary(cfg, summary.dims, history["rows"])
+    if moe is not None:
+        report["moe"] = moe
     report["restarts"] = restarts_of_this_run(summary.run_dir)
     # written last but one: report_at is as close to the write as it can be
     launch_first = None

@@ -243,6 +243,7 @@ class Trainer:
                 result = self.comm.run_step(step, batch.micro_batches, logging_step, may_profile)
                 self.faults.slow_down(time.perf_counter() - t0)
                 self.metrics.count(result, steady=step > start)
+                self.metrics.expert_load.after_step()
                 if done == t.steps:
                     state_bytes = self.model_state_bytes()
                 self.optimizers.zero_grad()
