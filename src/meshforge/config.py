@@ -96,6 +96,17 @@ class MoEConfig(_Section):
             )
         return self
 
+    @model_serializer(mode="wrap")
+    def _without_unused(self, handler: Any) -> dict[str, Any]:
+        """A dump leaves out the settings of the balance not chosen (given back, they
+        would be refused)."""
+        data = handler(self)
+        if self.load_balance != "aux_loss":
+            data.pop("aux_loss_coeff", None)
+        if self.load_balance != "bias":
+            data.pop("bias_update_rate", None)
+        return data
+
 
 class ModelConfig(_Section):
     """The model: meshforge's GPT (`gpt`), the Llama-style decoder (`llama`), or a
@@ -134,7 +145,10 @@ class ModelConfig(_Section):
         if value.get("preset") is not None:
             base = preset(str(value["preset"]))
             if isinstance(base.get("moe"), dict) and isinstance(value.get("moe"), dict):
-                value["moe"] = {**base["moe"], **value["moe"]}  # moe fields given beside win
+                moe = dict(base["moe"])
+                if value["moe"].get("load_balance", "aux_loss") != "aux_loss":
+                    moe.pop("aux_loss_coeff", None)  # the preset's, for a balance not chosen
+                value["moe"] = {**moe, **value["moe"]}  # moe fields given beside win
             value = {**base, **value}
         if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
             value["tie_embeddings"] = False  # Llama-style models have a head of their own

@@ -189,7 +189,7 @@ def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
     extra += f" reduce={comm.reduce_dtype}" if comm.reduce_dtype != "fp32" else ""
     return (
         f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
-        f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches}{extra} "
+        f"pp={dims.pp}{pp}{f' ep={dims.ep}' if dims.ep_enabled else ''} zero={dims.zero} micro-batches={dims.microbatches}{extra} "
         f"dtype={cfg.precision.dtype} -> {run_dir}"
     )
 

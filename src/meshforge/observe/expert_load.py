@@ -51,7 +51,7 @@ def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dic
         "capacity_factor": moe.capacity_factor,
         "layers": layers,
         "tokens_per_expert": tokens,
-        "loadmax_over_mean": [round(b, 4) for b in balance],
+        "load_max_over_mean": [round(b, 4) for b in balance],
         "max_load": round(max(balance), 4) if balance else None,
         "dropped": dropped,
         "dropped_fraction": dropped / assigned if assigned else 0.0,
