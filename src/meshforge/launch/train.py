@@ -182,6 +182,7 @@ def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
             f"dtype={cfg.precision.dtype} -> {run_dir}"
         )
     pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
+    pp += f" ep={dims.ep}" if dims.ep_enabled else ""
     comm = cfg._parallel().comm
     extra = f" compression={comm.compression}" if comm.compression != "none" else ""
     extra += "" if comm.overlap else " overlap=off"
@@ -189,7 +190,7 @@ def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
     extra += f" reduce={comm.reduce_dtype}" if comm.reduce_dtype != "fp32" else ""
     return (
         f"meshforge: training {cfg.name!r} on {world} worker(s): dp={dims.dp} tp={dims.tp} "
-        f"pp={dims.pp}{pp}{f' ep={dims.ep}' if dims.ep_enabled else ''} zero={dims.zero} micro-batches={dims.microbatches}{extra} "
+        f"pp={dims.pp}{pp} zero={dims.zero} micro-batches={dims.microbatches}{extra} "
         f"dtype={cfg.precision.dtype} -> {run_dir}"
     )
 
