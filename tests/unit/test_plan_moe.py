@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ from meshforge.plan.core.predict import evaluate
 from meshforge.plan.core.published_moe import PUBLISHED_MOE_RUNS
 from meshforge.plan.core.search import LayoutChoice, search_layouts
 from meshforge.plan.core.timing import step_time
-from meshforge.plan.core.validation import moe_validation_table, supported
+from meshforge.plan.core.validation import moe_markdown, moe_validation_table, supported
 from meshforge.plan.jobs.request import build_model
 
 MIXTRAL = shape_of(ModelConfig(preset="mixtral-8x7b", seq_len=4096))
@@ -271,3 +272,8 @@ def test_published_moe_runs_are_predicted_and_not_fitted_on():
         assert row.predicted is not None and row.predicted > 0
         assert row.error == row.held_out_error  # every row is held out
     assert all(supported(r.run) for r in rows if r.unsupported)
+
+
+def test_the_docs_show_the_moe_table_as_the_planner_predicts_it():
+    docs = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
+    assert moe_markdown(moe_validation_table()) in docs.read_text()
