@@ -64,6 +64,32 @@ KvHeads = Annotated[
     _opt("--kv-heads", help="Key/value heads (grouped-query attention; default: --heads).",
          panel=_MODEL),
 ]  # fmt: skip
+HeadDim = Annotated[
+    int | None,
+    _opt("--head-dim", help="Width of one attention head (llama; default --hidden / --heads): "
+         "q is heads x head-dim wide, k and v kv-heads x head-dim.", panel=_MODEL),
+]  # fmt: skip
+Experts = Annotated[
+    int | None,
+    _opt("--experts", help="Routed experts per layer: a mixture of experts (llama; needs "
+         "--expert-ffn).", panel=_MODEL),
+]  # fmt: skip
+TopK = Annotated[
+    int | None, _opt("--top-k", help="Routed experts per token (default 2).", panel=_MODEL)
+]
+ExpertFfn = Annotated[
+    int | None, _opt("--expert-ffn", help="Each expert's SwiGLU width.", panel=_MODEL)
+]
+SharedExperts = Annotated[
+    int | None,
+    _opt("--shared-experts", help="Experts every token passes through (default 0).",
+         panel=_MODEL),
+]  # fmt: skip
+DenseLayers = Annotated[
+    int | None,
+    _opt("--dense-layers", help="Dense layers before the first MoE one (default 0).",
+         panel=_MODEL),
+]  # fmt: skip
 Params = Annotated[
     float | None,
     _opt("--params", help="Bare parameter count (model-state maths only).", panel=_MODEL),
@@ -99,6 +125,11 @@ SequenceParallel = Annotated[
     bool | None,
     _opt("--sequence-parallel/--no-sequence-parallel", help="With TP.", panel=_LAYOUT),
 ]
+Ep = Annotated[
+    int | None,
+    _opt("--ep", help="Expert-parallel degree (ranks borrowed from dp; divides dp and "
+         "--experts).", panel=_LAYOUT),
+]  # fmt: skip
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")]
 
 
@@ -134,6 +165,12 @@ def plan_command(
     tie_embeddings: TiedHead = None,
     family: Family = None,
     kv_heads: KvHeads = None,
+    head_dim: HeadDim = None,
+    experts: Experts = None,
+    top_k: TopK = None,
+    expert_ffn: ExpertFfn = None,
+    shared_experts: SharedExperts = None,
+    dense_layers: DenseLayers = None,
     params: Params = None,
     gpus: Gpus = None,
     gpus_per_node: Annotated[
@@ -187,6 +224,7 @@ def plan_command(
     virtual_stages: VirtualStages = None,
     recompute: Recompute = None,
     sequence_parallel: SequenceParallel = None,
+    ep: Ep = None,
     framework: Annotated[
         str | None,
         _opt(
@@ -216,6 +254,7 @@ def plan_command(
     from meshforge.plan.jobs.job import layout_fields
     from meshforge.plan.jobs.request import (
         build_model,
+        model_fields,
         plan,
         plan_json,
         plan_warnings,
@@ -224,12 +263,17 @@ def plan_command(
     )
 
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
-                         sequence_parallel)  # fmt: skip
+                         sequence_parallel, ep)  # fmt: skip
     refusal = None
     framework_name = framework or "meshforge"
     shape_extras = {"--family": family, "--kv-heads": kv_heads}
+    moe = {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
+           "shared_experts": shared_experts, "dense_layers": dense_layers}  # fmt: skip
+    # the mixture of experts and the head width: over a preset's, or with a shape
+    model_extras = {"--head-dim": head_dim, **{"--" + k.replace("_", "-"): v
+                                              for k, v in moe.items()}}  # fmt: skip
     if config is not None:
-        for flag, value in shape_extras.items():
+        for flag, value in {**shape_extras, **model_extras}.items():
             if value is not None:
                 raise ConfigError(f"{flag} with --config: the job's model section gives it")
         if framework_name != "meshforge":
@@ -259,7 +303,7 @@ def plan_command(
         if params is not None:  # model states only: what shapes blocks or a step is refused
             for flag, value in {"--mlp-ratio": mlp_ratio, "--global-batch": global_batch,
                                 "--framework": framework, "--attention": given_attention,
-                                **shape_extras}.items():  # fmt: skip
+                                **shape_extras, **model_extras}.items():  # fmt: skip
                 if value is not None:
                     raise ConfigError(
                         f"{flag} with --params: a bare parameter count plans model states "
@@ -270,7 +314,7 @@ def plan_command(
                 raise ConfigError(f"{flag} with --model: the preset gives it")
         ratio = 4 if mlp_ratio is None else mlp_ratio
         model = build_model(layers, hidden, heads, vocab, seq, mlp_ratio, params, preset,
-                            tie_embeddings, family, kv_heads)  # fmt: skip
+                            tie_embeddings, family, kv_heads, moe, head_dim)  # fmt: skip
         if global_batch is None and params is None:
             raise ConfigError("--global-batch is required with a model shape")
         choice = flags
@@ -291,7 +335,8 @@ def plan_command(
         if preset is not None and framework_name == "meshforge":  # the layouts train runs
             given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
                      "seq": seq}  # fmt: skip
-            refusal = preset_refusal(preset, given, ratio, training, choice, n, tie_embeddings)
+            refusal = preset_refusal(preset, given, ratio, training, choice, n, tie_embeddings,
+                                     model_fields(moe, head_dim))  # fmt: skip
     trainer = framework_for(framework_name, training.precision)
     if profile is not None:
         cluster_flags = {
@@ -453,6 +498,8 @@ def _layout_text(p: Prediction, fields: dict[str, str]) -> str:
             parts.append(part("virtual_stages", f"v{lay.virtual_stages}"))
         if lay.sequence_parallel:
             parts.append(part("sequence_parallel", "sp"))
+    if lay.ep > 1 or fields.get("ep") == "given":
+        parts.append(part("ep", f"ep{lay.ep}"))
     return " ".join(parts)
 
 
@@ -533,6 +580,8 @@ def _print_table(
     ]  # fmt: skip
     if p.pipeline_stages:
         rows.insert(6, ("pipeline stages", _stages_text(p)))
+    if p.time is not None and p.layout.ep > 1:
+        rows.insert(3, ("expert all-to-all per step", f"{p.time.ep_comm_s:.4g} s"))
     for name, value in rows:
         table.add_row(name, value)
     table.caption = _legend(fields)

@@ -65,6 +65,21 @@ def tp_elements_per_layer(micro_batch: int, seq: int, hidden: int, tp: int) -> f
     return 8.0 * micro_batch * seq * hidden * (tp - 1) / tp
 
 
+def ep_alltoall_bytes(
+    micro_batch: int, seq: int, hidden: int, top_k: int, tp: int, act_bytes: float
+) -> float:
+    """Bytes one rank hands to one all-to-all of expert parallelism (dispatch or
+    combine, forward or backward), its full size S: the b·s tokens of its micro-batch,
+    each sent to its top-k experts as a vector of h activations, b·s·k·h·e; a
+    tensor-parallel rank dispatches 1/t of them (Megatron-Core's dispatcher splits the
+    tokens over the tp ranks, which hold the same ones). Of S, the (ep-1)/ep share of
+    the routed vectors whose experts live on other ranks crosses the link
+    (`busbw_factor("all_to_all", ep)`, balanced routing). A MoE layer runs four per
+    micro-batch (dispatch and combine, forward and backward), six with full
+    recomputation (its forward again)."""
+    return micro_batch * seq * top_k * hidden * act_bytes / tp
+
+
 def pp_elements_per_boundary(micro_batch: int, seq: int, hidden: int) -> float:
     """b·s·h per stage boundary per micro-batch, each way (activations forward,
     their gradients backward)."""

@@ -59,6 +59,17 @@ class RankModel:
     head: bool  # the last stage: final norm, output head, loss
     block_params: float  # one transformer block
     root_params: float  # embedding / final norm / head on this rank (FSDP's root unit)
+    # the routed experts of one block, all of them (within block_params): expert
+    # parallelism holds 1/ep of them and reduces their gradients over dp/ep ranks
+    expert_block_params: float = 0.0
+
+    def split_experts(self, ep: int) -> tuple[RankModel, RankModel]:
+        """(the rest, the rank's E/ep routed experts) as two models: their gradients go
+        over different groups (dp; the dp/ep ranks holding the same experts)."""
+        rest_block = self.block_params - self.expert_block_params
+        rest = RankModel(self.layers, self.embedding, self.head, rest_block, self.root_params)
+        experts = RankModel(self.layers, False, False, self.expert_block_params / ep, 0.0)
+        return rest, experts
 
     @property
     def params(self) -> float:
@@ -80,8 +91,18 @@ def rank_models(
     out = []
     for r in pipeline_ranks(shape.n_layers, pp, virtual, zbv):
         held = rank_params(shape, tp, r)
-        out.append(RankModel(r.layers, r.embedding, r.head, held.block, held.root))
+        out.append(RankModel(r.layers, r.embedding, r.head, held.block, held.root,
+                             held.expert_block))  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The ranks a rank's data-parallel collectives run over: `dp` of them, `dp_stride`
+    apart (a Layout is one; the dp/ep ranks holding the same experts another)."""
+
+    dp: int
+    dp_stride: int
 
 
 @dataclass(frozen=True)
@@ -154,7 +175,8 @@ def exposed_on_gpu(
     bucket_bytes: float = DDP_BUCKET_BYTES,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of `traffic` per step on a GPU, where NCCL overlaps
-    compute (module docstring). `work` is plan/work.MicrobatchWork; param_gather_overlap:
+    compute (module docstring). `layout`: the group the traffic runs over (a Layout, or a
+    DataParallelGroup); `work` is plan/work.MicrobatchWork; param_gather_overlap:
     ZeRO-1's after-step gather runs under the next step's first forward (Megatron's
     --overlap-param-gather); bucket_bytes: ZeRO-0/1's gradient buckets."""
     d, m = layout.dp, microbatches

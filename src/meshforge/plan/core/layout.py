@@ -3,6 +3,11 @@
 Rank order follows torchtitan and Megatron-LM: tensor parallel innermost (a TP
 group is contiguous, so it stays on one node when it fits), data parallel next,
 pipeline stages outermost. Global rank = tp_rank + tp·(dp_rank + dp·pp_rank).
+
+Expert parallelism borrows its ranks from data parallelism (layout/dims.py): an expert
+group is `ep` consecutive data-parallel ranks (stride tp in global ranks), each holding
+E/ep of a MoE layer's routed experts; dp/ep ranks (stride tp·ep) hold the same experts
+and shard their states by ZeRO. ep does not change the world size.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ class Layout:
     zero: int = 0
     virtual_stages: int = 1  # v > 1 means interleaved 1F1B
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel: a divisor of dp and of the routed experts
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts (dp / ep)."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -48,6 +59,16 @@ class Layout:
     @property
     def pp_stride(self) -> int:
         return self.tp * self.dp
+
+    @property
+    def ep_stride(self) -> int:
+        """An expert group's ranks are consecutive data-parallel ranks."""
+        return self.tp
+
+    @property
+    def edp_stride(self) -> int:
+        """The ranks holding the same experts are ep data-parallel ranks apart."""
+        return self.tp * self.ep
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +112,8 @@ FLAG_NAMES = Names(
         "dp": "--dp",
         "tp": "--tp",
         "pp": "--pp",
+        "ep": "--ep",
+        "experts": "--experts",
         "zero": "--zero",
         "virtual_stages": "--virtual-stages",
         "sequence_parallel": "--sequence-parallel",
@@ -118,6 +141,7 @@ def layout_shape(shape: GPTShape) -> ModelShape:
         vocab_size=shape.vocab_size,
         seq_len=shape.seq_len,
         tie_embeddings=shape.tie_embeddings,
+        experts=shape.experts,
     )
 
 
@@ -130,6 +154,7 @@ def check_layout(
     request = LayoutRequest(
         tp=layout.tp,
         pp=layout.pp,
+        ep=layout.ep,
         dp=layout.dp,
         zero=layout.zero,
         sequence_parallel=layout.sequence_parallel,
@@ -140,6 +165,23 @@ def check_layout(
     )
     lay_shape = None if shape is None else layout_shape(shape)
     first_problem(check(request, lay_shape, FLAG_NAMES, trainer=False))
+    _check_experts(layout, shape)
+
+
+def _check_experts(layout: Layout, shape: GPTShape | None) -> None:
+    """Expert parallelism's structural rules in flags (the trainer's own, such as ZeRO-1
+    with ep, are layout/rules.py's and apply to a job: plan/jobs/job.py)."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if shape is None:
+        raise ConfigError(f"--ep {ep} needs a model shape with experts (--experts), not --params")
+    if not shape.is_moe:
+        raise ConfigError(
+            f"--ep {ep} needs a mixture-of-experts model (--experts), not a dense one"
+        )
+    if shape.experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide --experts {shape.experts}")
 
 
 def is_valid(layout: Layout, training: Training, shape: GPTShape | None) -> bool:

@@ -235,6 +235,15 @@ def activation_memory_bytes(
     return max(rank_activation_bytes(shape, stages, *args) for stages in ranks)
 
 
+def activation_mlp_ratio(shape: GPTShape) -> float:
+    """r of `activation_bytes_per_layer` (mean over the layers): the feed-forward width a
+    token passes through over h; a MoE layer's (K + S)·F/h, plus K for the two 16-bit
+    copies of the token's K dispatched vectors (the experts' input, permuted, and their
+    output before the weighted sum: 4·K bytes per s·b·h, as 4r counts)."""
+    h = shape.d_model
+    return (shape.active_mlp_width + shape.moe_share * shape.top_k * h) / h
+
+
 def rank_activation_bytes(
     shape: GPTShape,
     stages: RankStages,
@@ -256,7 +265,7 @@ def rank_activation_bytes(
     rank with the last stage adds the logits."""
     scale = dtype_bytes(precision) / 2
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa,
-              mlp_ratio=shape.mlp_width / shape.d_model)  # fmt: skip
+              mlp_ratio=activation_mlp_ratio(shape))  # fmt: skip
     s, b, h, a = shape.seq_len, micro_batch, shape.d_model, shape.n_heads
     per_layer = activation_bytes_per_layer(s, b, h, a, recompute=recompute, **kw)
     live_layer = 0.0

@@ -92,6 +92,9 @@ class Prediction:
     memory_pp_rank: int = 0  # the pipeline rank whose memory `memory` is (the most)
     pipeline_stages: tuple[int, ...] | None = None  # layers per pipeline rank (pp > 1)
     calibration: str | None = None  # what the device's compute curve was fitted on
+    # parameters a token passes through (a mixture of experts: fewer than model_params;
+    # the FLOPs count these). None with a bare parameter count
+    active_params: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -163,6 +166,7 @@ class Prediction:
                 "sdpa": self.training.sdpa,
             },
             "model_params": self.model_params,
+            "model_active_params": self.active_params,
             "n_gpus": self.n_gpus,
             "calibration": self.calibration,
         }
@@ -199,7 +203,8 @@ def evaluate(
             layout, training, memory, None, cluster.n_gpus, None, total_params, None, None, peak,
             calibration=cluster.device.calibration,
         )  # fmt: skip
-    total_params = float(gpt_param_count(shape).total)
+    count = gpt_param_count(shape)
+    total_params = float(count.total)
     # ZB-V holds stages r and 2pp-1-r: the first rank both ends of the model
     zbv = schedule == "zbv" and layout.pp > 1
     stages = pipeline_ranks(shape.n_layers, layout.pp, layout.virtual_stages, zbv)
@@ -227,6 +232,7 @@ def evaluate(
         calibration=cluster.device.calibration,
         memory_pp_rank=memory_rank,
         pipeline_stages=tuple(r.layers for r in stages) if layout.pp > 1 else None,
+        active_params=float(count.active_or_total),
     )
 
 
@@ -257,8 +263,9 @@ def _stage_memory(
         schedule,
     )
     return _rank_memory(
-        rank.total, rank.block, rank.root, activations, layout, training, cluster, convention
-    )
+        rank.total, rank.block, rank.root, activations, layout, training, cluster, convention,
+        expert_block=rank.expert_block, layers=stages.layers,
+    )  # fmt: skip
 
 
 def _rank_memory(
@@ -270,17 +277,32 @@ def _rank_memory(
     training: Training,
     cluster: Cluster,
     convention: str,
+    expert_block: float = 0.0,
+    layers: int = 0,
 ) -> MemoryEstimate:
     """The memory of one rank that holds `rank_params` parameters (after tensor and
     pipeline sharding) and keeps `activations` bytes for its backward (None: unknown,
-    with a bare parameter count)."""
+    with a bare parameter count).
+
+    With experts (`expert_block`: one block's routed experts, all E of them, within
+    `block`; `layers` blocks on the rank) and expert parallelism, the rank holds E/ep of
+    them, whose states ZeRO shards over the dp/ep ranks holding the same experts; the
+    rest (attention, router, shared experts, embeddings) as before, over dp."""
     precision, zero = training.precision, layout.zero
     microbatches = training.microbatches(layout.dp) if activations is not None else 1
-    states = model_state_bytes(
-        rank_params, zero, layout.dp, precision, convention, training.optimizer
-    )
-    buffers = comm_buffer_bytes(rank_params, zero, convention)
-    working = working_bytes(rank_params, zero, precision, block, root, microbatches)
+    experts = layers * expert_block
+    held_experts = experts / layout.ep
+    dense = rank_params - experts
+    states = model_state_bytes(dense, zero, layout.dp, precision, convention, training.optimizer)
+    if held_experts > 0:
+        expert_states = model_state_bytes(
+            held_experts, zero, layout.edp, precision, convention, training.optimizer
+        )
+        states = {k: states[k] + expert_states[k] for k in states}
+    held = dense + held_experts
+    held_block = block - expert_block + expert_block / layout.ep
+    buffers = comm_buffer_bytes(held, zero, convention)
+    working = working_bytes(held, zero, precision, held_block, root, microbatches)
     allocated = states["total"] + buffers + working + (activations or 0.0)
     return MemoryEstimate(
         params=states["params"],

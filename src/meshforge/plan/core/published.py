@@ -109,6 +109,14 @@ class PublishedRun:
     # hardware the planner's catalogue does not hold, as the source states it: the row
     # is still predicted and shown, but is neither fitted on nor held to the bound
     excluded: str | None = None
+    # --- a mixture of experts (experts 0: dense; plan/core/published_moe.py)
+    experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0
+    expert_ffn: int = 0  # each expert's SwiGLU width
+    shared_experts: int = 0
+    dense_layers: int = 0  # dense layers before the first MoE one
+    ep: int = 1  # expert-parallel degree (the source's; within dp for the planner)
+    head_dim: int | None = None  # None: hidden / heads
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:

@@ -3,7 +3,9 @@
 A field the user fixes is not searched. The candidates are the layouts that fit in
 memory, fastest first (then least memory); with a bare parameter count there is
 no time model, so they are ordered by memory. With a bare parameter count tp and
-pp default to 1 (splitting Ψ by tp·pp says nothing without the shape).
+pp default to 1 (splitting Ψ by tp·pp says nothing without the shape). A mixture of
+experts searches ep too: every divisor of both dp and the routed experts (a dense model
+keeps ep 1).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class LayoutChoice:
     virtual_stages: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
+    ep: int | None = None
 
     def is_empty(self) -> bool:
         return all(getattr(self, name) is None for name in self.__dataclass_fields__)
@@ -87,9 +90,18 @@ def enumerate_layouts(
                 )
                 recompute = _options(choice.recompute, list(RECOMPUTE))
                 seq_par = _options(choice.sequence_parallel, [False, True] if tp > 1 else [False])
-            for zero, b, v, rc, sp in itertools.product(zeros, micro, virtual, recompute, seq_par):
-                layout = Layout(dp, tp, pp, zero, v, sp)
+            eps = _options(choice.ep, _expert_degrees(shape, dp))
+            for zero, b, v, rc, sp, ep in itertools.product(zeros, micro, virtual, recompute,
+                                                            seq_par, eps):  # fmt: skip
+                layout = Layout(dp, tp, pp, zero, v, sp, ep)
                 yield layout, replace(training, micro_batch=b, recompute=rc)
+
+
+def _expert_degrees(shape: GPTShape | None, dp: int) -> list[int]:
+    """The ep a search tries: the divisors of dp that divide the routed experts."""
+    if shape is None or not shape.is_moe:
+        return [1]
+    return [k for k in _divisors(dp) if shape.experts % k == 0]
 
 
 def _rank(prediction: Prediction) -> tuple[float, float]:
@@ -99,6 +111,8 @@ def _rank(prediction: Prediction) -> tuple[float, float]:
 
 def _check_fixed_degrees(choice: LayoutChoice, n_gpus: int) -> None:
     fixed = 1
+    if choice.ep is not None and choice.ep < 1:
+        raise ConfigError(f"--ep must be >= 1, got {choice.ep}")
     for name in ("tp", "pp", "dp"):
         value = getattr(choice, name)
         if value is None:

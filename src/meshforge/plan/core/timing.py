@@ -4,7 +4,7 @@ pipeline bubble, data-parallel/ZeRO traffic with overlap, and the optimizer step
 Per micro-batch, on each pipeline rank (its layers, plus the embedding on the first
 and the final norm, logits and loss on the last; layout/stages.py splits the layers):
 
-    t_rank = its layers' compute + their TP collectives + pipeline sends
+    t_rank = its layers' compute + their TP collectives + EP all-to-alls + pipeline sends
 
 and the slowest rank sets the pace (t_mb = max over ranks). Per step, with m = B/(b·N_d)
 micro-batches, p stages and v chunks per stage:
@@ -26,6 +26,16 @@ their bytes). Data-parallel traffic is plan/core/dp_traffic.py, shared with the 
 model (`host_step_time`, below: gloo, no streams, all of it exposed); in `step_time` it
 overlaps compute as on a GPU, where NCCL runs on its own streams
 (dp_traffic.exposed_on_gpu).
+
+Expert parallelism (a mixture of experts, ep > 1): each MoE layer's tokens go to the
+ranks holding their experts and back by all-to-all over the ep ranks of the expert group
+(comm.ep_alltoall_bytes: dispatch and combine, forward and backward: four per layer and
+micro-batch, six with full recomputation). They sit between the router and the experts'
+matmuls, which wait for them: exposed, as the TP collectives are (no overlap of one
+micro-batch's all-to-all with another's compute: DeepSeek's DualPipe and Megatron-Core's
+--overlap-moe-expert-parallel-comm are not modelled). Routing is taken as balanced. The
+routed experts' gradients are reduced over the dp/ep ranks holding the same experts, the
+rest over dp, each overlapping the backward as above.
 """
 
 from __future__ import annotations
@@ -34,12 +44,19 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.errors import ConfigError
-from meshforge.plan.core.comm import NETWORK_SCALING, NetworkScaling, collective_time, group_link
+from meshforge.plan.core.comm import (
+    NETWORK_SCALING,
+    NetworkScaling,
+    collective_time,
+    ep_alltoall_bytes,
+    group_link,
+)
 from meshforge.plan.core.dp_traffic import (
     CLIP_BYTES_PER_PARAM,
     DDP_BUCKET_BYTES,
     GRAD_REDUCE_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
+    DataParallelGroup,
     RankModel,
     data_parallel_traffic,
     exposed_on_gpu,
@@ -91,12 +108,14 @@ class StepTime:
     # compute slowed by the data-parallel traffic hidden under it (OVERLAP_SLOWDOWN)
     contention_s: float = 0.0
     slowest_pp_rank: int = 0  # the pipeline rank whose compute sets the pace (not seconds)
+    ep_comm_s: float = 0.0  # expert-parallel all-to-alls (exposed: the experts wait for them)
 
     @property
     def step_s(self) -> float:
         return (
             self.compute_s
             + self.tp_comm_s
+            + self.ep_comm_s
             + self.pp_comm_s
             + self.bubble_s
             + self.dp_comm_exposed_s
@@ -106,7 +125,7 @@ class StepTime:
 
     @property
     def exposed_comm_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_exposed_s
+        return self.tp_comm_s + self.ep_comm_s + self.pp_comm_s + self.dp_comm_exposed_s
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)
@@ -142,6 +161,7 @@ class _RankTime:
     model: RankModel
     compute_s: float  # one micro-batch
     tp_s: float
+    ep_s: float  # expert-parallel all-to-alls of one micro-batch
     forward_s: float  # one micro-batch's forward compute (for the DP overlap)
     backward_s: float
 
@@ -247,6 +267,14 @@ def step_time(
         tp_one = collective_time("all_reduce", size, t, bw, lat)
     per_layer = 4 + (2 if training.recompute == "full" else 0)
 
+    # expert parallel: per MoE layer dispatch and combine, forward and backward (as many
+    # as the TP collectives: a recomputed forward dispatches again)
+    ep_one = 0.0
+    if layout.ep > 1 and shape.is_moe:
+        bw, lat = group_link(cluster, layout.ep, layout.ep_stride, scaling)
+        size = ep_alltoall_bytes(b, shape.seq_len, shape.d_model, shape.top_k, t, act_bytes)
+        ep_one = collective_time("all_to_all", size, layout.ep, bw, lat)
+
     # pipeline: activations forward and gradients backward, at each of v chunk boundaries
     pp_s = 0.0
     if p > 1:
@@ -279,28 +307,39 @@ def step_time(
         if fw.tp_comm_overlap:
             matmuls = rank.layers * work.layer.total_s * (1.0 - work.memory_bound_fraction)
             tp_s = max(0.0, tp_s - matmuls)
-        ranks.append(_RankTime(rank, fwd + bwd, tp_s, fwd, bwd))
-    slowest = max(ranks, key=lambda r: r.compute_s + r.tp_s)
-    t_mb = slowest.compute_s + slowest.tp_s + pp_s
+        ep_s = rank.layers * shape.moe_share * per_layer * ep_one
+        ranks.append(_RankTime(rank, fwd + bwd, tp_s, ep_s, fwd, bwd))
+    slowest = max(ranks, key=lambda r: r.compute_s + r.tp_s + r.ep_s)
+    t_mb = slowest.compute_s + slowest.tp_s + slowest.ep_s + pp_s
     bubble = pipeline_bubble_ratio(p, m, v) * m * t_mb  # = (p-1)/v · t_mb
 
     # data-parallel traffic and the optimizer: the rank that finishes last
     dp_total, dp_exposed, opt_s = 0.0, 0.0, 0.0
     after_step = -1.0
     for r in ranks:
-        traffic = data_parallel_traffic(r.model, layout.zero, m, precision, "distributed",
-                                        fw.grad_reduce_bytes)  # fmt: skip
-        total, exposed = exposed_on_gpu(traffic, cluster, layout, r.model, work, m, scaling,
-                                        fw.param_gather_overlap,
-                                        fw.bucket_bytes(layout.dp))  # fmt: skip
+        dp_group = DataParallelGroup(layout.dp, layout.dp_stride)
+        groups = [(r.model, dp_group)]
+        if layout.ep > 1 and r.model.expert_block_params:
+            rest, experts = r.model.split_experts(layout.ep)
+            groups = [(rest, dp_group),
+                      (experts, DataParallelGroup(layout.edp, layout.edp_stride))]  # fmt: skip
+        total, exposed = 0.0, 0.0
+        for model, group in groups:
+            traffic = data_parallel_traffic(model, layout.zero, m, precision, "distributed",
+                                            fw.grad_reduce_bytes)  # fmt: skip
+            seconds = exposed_on_gpu(traffic, cluster, group, model, work, m, scaling,
+                                     fw.param_gather_overlap,
+                                     fw.bucket_bytes(group.dp))  # fmt: skip
+            total, exposed = total + seconds[0], exposed + seconds[1]
         if not fw.dp_overlap:
             exposed = total
-        opt = _optimizer_seconds(r.model.params, layout, training, device)
+        opt = _optimizer_seconds(r.model, layout, training, device)
         if exposed + opt > after_step:
             after_step, dp_total, dp_exposed, opt_s = exposed + opt, total, exposed, opt
     return StepTime(
         compute_s=m * slowest.compute_s,
         tp_comm_s=m * slowest.tp_s,
+        ep_comm_s=m * slowest.ep_s,
         pp_comm_s=m * pp_s,
         bubble_s=bubble,
         dp_comm_exposed_s=dp_exposed,
@@ -312,10 +351,15 @@ def step_time(
     )
 
 
-def _optimizer_seconds(params: float, layout: Layout, training: Training, device) -> float:
+def _optimizer_seconds(rank: RankModel, layout: Layout, training: Training, device) -> float:
     """Memory-bound: OPTIMIZER_BYTES_PER_PARAM per parameter the rank updates, plus the
     16-bit copy of the updated parameters in bf16/fp16 (a GPU curve: at its bandwidth
-    fraction; a measured machine's rate is its own optimizer rate)."""
+    fraction; a measured machine's rate is its own optimizer rate). With expert
+    parallelism a rank holds E/ep of the routed experts: under ZeRO its share of them is
+    1/(dp/ep) of those, 1/dp of all, like the rest."""
+    params = rank.params
+    if layout.zero == 0 and layout.ep > 1:
+        params -= rank.layers * rank.expert_block_params * (1.0 - 1.0 / layout.ep)
     updated = params / (layout.dp if layout.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM[training.optimizer]
     bw = device.memory_bandwidth_bytes_per_s

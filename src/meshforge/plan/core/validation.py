@@ -72,6 +72,7 @@ from meshforge.plan.core.hardware import Cluster, gpu_spec, link_spec
 from meshforge.plan.core.layout import Layout, Training
 from meshforge.plan.core.predict import evaluate
 from meshforge.plan.core.published import PUBLISHED_RUNS, PublishedRun
+from meshforge.plan.core.published_moe import PUBLISHED_MOE_RUNS
 from meshforge.plan.core.timing import Framework, step_time
 
 BOUND = 0.20  # the goal: every held-out row within ±20% of its published throughput
@@ -96,12 +97,14 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     shape = GPTShape(
         run.layers, run.hidden, run.heads, run.vocab, run.seq,
         tie_embeddings=run.tied_embeddings is not False, family=run.family,
-        n_kv_heads=run.kv_heads, ffn_hidden=run.ffn_hidden,
+        n_kv_heads=run.kv_heads, ffn_hidden=run.ffn_hidden, head_dim=run.head_dim,
+        experts=run.experts, top_k=run.top_k, expert_ffn=run.expert_ffn,
+        shared_experts=run.shared_experts, dense_layers=run.dense_layers,
     )  # fmt: skip
     virtual = min(run.virtual_stages, run.layers // run.pp)  # no layer-less chunks
     layout = Layout(dp=run.dp * run.cp, tp=run.tp, pp=run.pp, zero=run.zero,
                     virtual_stages=virtual,
-                    sequence_parallel=run.sequence_parallel)  # fmt: skip
+                    sequence_parallel=run.sequence_parallel, ep=run.ep)  # fmt: skip
 
     def trainings(b: int) -> tuple[Training, ...]:
         def training(recompute: str) -> Training:
@@ -129,7 +132,7 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
         grad_reduce_bytes=grad_bytes,
         pp_scatter_gather="scatter/gather optimization enabled" in run.notes,
         pp_paired_transfers=not deepspeed_pipeline,
-        megatron_core_buckets=run.source == "megatron-core2024",
+        megatron_core_buckets=run.source.startswith("megatron-"),
         dp_overlap=not deepspeed_pipeline,
     )
     x = Inputs(shape, layout, trainings(run.micro_batch or 1), cluster, framework)
@@ -166,6 +169,9 @@ def supported(run: PublishedRun) -> str | None:
     """Why the planner cannot represent `run`, or None."""
     if run.cp > 1:
         return "context parallelism (cp > 1) is not in the planner's layouts"
+    if run.ep > 1 and (run.dp * run.cp) % run.ep:
+        return (f"experts folded over tp x dp (ep {run.ep} does not divide dp {run.dp}): the "
+                "planner's ep is a divisor of dp")  # fmt: skip
     return None
 
 
@@ -337,12 +343,38 @@ def validation_table(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> list[Ro
     return rows
 
 
+def moe_validation_table(runs: tuple[PublishedRun, ...] = PUBLISHED_MOE_RUNS) -> list[Row]:
+    """The mixture-of-experts rows (plan/core/published_moe.py), predicted with the
+    shipped constants, which are the fit on the dense sources only: every row is held
+    out, so `predicted` and `held_out_predicted` are the same prediction."""
+    rows = []
+    for run in runs:
+        why = supported(run)
+        if why is not None:
+            rows.append(Row(run, None, None, None, None, why))
+            continue
+        value = predicted_value(run, predicted_step_s(run))
+        error = throughput_error(run, value)
+        rows.append(Row(run, value, error, value, error, None))
+    return rows
+
+
+def moe_markdown(rows: list[Row]) -> str:
+    """The docs' MoE table (docs/planner.md, "Mixture of experts")."""
+    out = _markdown_rows(rows)
+    kept = [r for r in rows if r.excluded is None and r.error is not None]
+    errors = ", ".join(f"{r.run.name} {100 * r.error:+.1f}%" for r in kept)
+    return out + f"\n\nHeld out (constants fitted on the dense runs only): {errors}."
+
+
 def _layout(run: PublishedRun) -> str:
     parts = [f"tp{run.tp}", f"pp{run.pp}", f"dp{run.dp}"]
     if run.virtual_stages > 1:
         parts[1] += f"x{run.virtual_stages}"
     if run.cp > 1:
         parts.append(f"cp{run.cp}")
+    if run.ep > 1:
+        parts.append(f"ep{run.ep}")
     return " ".join(parts) + f" zero{run.zero} {run.recompute}"
 
 
@@ -435,8 +467,12 @@ if __name__ == "__main__":  # python -m meshforge.plan.core.validation [--markdo
         "out of the fit (docs/planner.md has the same tables).",
     )
     ap.add_argument("--markdown", action="store_true", help="the constants too, as in the docs")
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts rows only")
     args = ap.parse_args()
     try:
+        if args.moe:
+            print(moe_markdown(moe_validation_table()))
+            raise SystemExit(0)
         table = validation_table()
         if args.markdown:
             usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))

@@ -24,8 +24,15 @@ gradient; Megatron's fused kernels: bias+GELU, bias+dropout+add, scale+mask+soft
   2 residual adds (+dropout)  2·(3e [+1 mask])·h_n    2·(3e [+1])·h_n
   GELU (gpt)                  2e·f/t                  3e·f/t
   SwiGLU (llama)              3e·f/t                  5e·f/t
-  rotary on q, k (llama)      2e·(h + kv)/t           2e·(h + kv)/t
+  rotary on q, k (llama)      2e·(q + kv)/t           2e·(q + kv)/t
+  MoE permute + unpermute     2e·(K+1)·h/t            2e·(K+1)·h/t
   eager s x s, per head·s²    4e [+2e+1 dropout]      6e [+3e+1 dropout]
+
+With a mixture of experts f is the width a token passes through, (K + S)·F in a MoE
+layer (a mean over the layers), and the matmuls are the active ones
+(flops.GPTShape.active_block_matrices); the experts' grouped GEMMs run through the same
+curve as the dense matmuls (the shipped curves have t0 = 0, so their smaller size costs
+nothing more: an optimistic bound for many small experts).
 
 Dropout (p = 0.1 in Megatron's GPT) is on for family gpt, off for llama (as the
 Llama models train). The head of the last stage: final norm (2e | 3e)·h_n, logits and
@@ -78,7 +85,7 @@ def _eager_s2_bytes(e: float, dropout: bool) -> tuple[float, float]:
 def layer_bytes(shape: GPTShape, tp: int, sp: bool, e: float, micro_batch: int, sdpa: bool):
     """(forward, backward, attention-core forward) bytes one layer moves per
     micro-batch on one rank, outside its matmuls (table in the module docstring)."""
-    h, f, t = shape.d_model, shape.mlp_width, tp
+    h, f, t = shape.d_model, shape.active_mlp_width, tp
     h_n = h / t if sp else h
     dropout = shape.family == "gpt"
     mask = 1.0 if dropout else 0.0
@@ -88,9 +95,14 @@ def layer_bytes(shape: GPTShape, tp: int, sp: bool, e: float, micro_batch: int, 
         fwd += 2 * e * f / t
         bwd += 3 * e * f / t
     else:
-        rotary = 2 * e * (h + shape.kv_width) / t
+        rotary = 2 * e * (shape.q_width + shape.kv_width) / t
         fwd += 3 * e * f / t + rotary
         bwd += 5 * e * f / t + rotary
+        # a MoE layer permutes each token's K copies to its experts and sums them back
+        # (read h, write K·h; read K·h, write h), the same again backward
+        permute = shape.moe_share * 2 * e * (shape.top_k + 1) * h / t
+        fwd += permute
+        bwd += permute
     tokens = micro_batch * shape.seq_len
     core = 0.0
     if not sdpa:
@@ -116,7 +128,7 @@ def microbatch_work(
     (a hardware.DeviceSpec)."""
     b, s, h, t = micro_batch, shape.seq_len, shape.d_model, tp
     peak, curve = device.peak(precision), device.curve
-    unit = matmul_unit_flops(b, s, h, shape.mlp_width / h, t)
+    unit = matmul_unit_flops(b, s, h, shape.active_mlp_width / h, t)
     frac = curve.fraction(unit, peak)
     flops = microbatch_flops(shape, b)
     if curve.scope == "all":  # a measured machine: Megatron-convention FLOPs over the curve
@@ -131,11 +143,11 @@ def microbatch_work(
     e = 2.0 if precision in ("bf16", "fp16") else 4.0
     bw = curve.bandwidth_fraction * device.memory_bandwidth_bytes_per_s
     mm_rate = peak * frac
-    mm_fwd = 2.0 * b * s * shape.block_matrices() / t / mm_rate
+    mm_fwd = 2.0 * b * s * shape.active_block_matrices() / t / mm_rate  # experts: active
     fwd_b, bwd_b, core_b = layer_bytes(shape, t, sequence_parallel, e, b, sdpa)
     if sdpa:
         attn_rate = curve.attention_fraction * peak
-        core_fwd = 2.0 * b * s * s * h / t / attn_rate  # causal half of 4·b·s²·h
+        core_fwd = 2.0 * b * s * s * shape.q_width / t / attn_rate  # causal half of 4·b·s²·h
         core_bwd = 2.5 * core_fwd
     else:
         core_fwd = flops.attention_core_forward / t / mm_rate + core_b / bw

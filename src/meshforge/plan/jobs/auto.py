@@ -222,7 +222,7 @@ def choose_layout(
         dp = world_size // (tp * pp)
         choice = LayoutChoice(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=b,
                               virtual_stages=1, recompute=recompute,
-                              sequence_parallel=False)  # fmt: skip
+                              sequence_parallel=False, ep=1)  # fmt: skip
         with contextlib.suppress(ConfigError):  # a split the planner's rules reject
             pred = best_layout(shape, training, cluster, choice)
             step = pred.step_time_s or 0.0

@@ -61,7 +61,8 @@ def predict_for_job(
     _collective_only(cfg)
     dp = cfg.resolve_dp(world_size)
     p, t = cfg.parallel, cfg.train
-    layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, virtual_stages=p.virtual_stages)
+    layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, virtual_stages=p.virtual_stages,
+                    ep=p.ep)  # fmt: skip
     shape = shape_of(cfg)
     if host is None and profile.name.startswith("cpu"):
         host = HostCosts.from_profile(profile)
@@ -172,6 +173,7 @@ JOB_FIELDS = {
     "virtual_stages": "parallel.virtual_stages",
     "recompute": "train.activation_checkpointing",
     "sequence_parallel": "parallel.sequence_parallel",
+    "ep": "parallel.ep",
 }
 # Pipeline schedules the planner's time and memory models describe (a v > 1 layout is
 # interleaved 1F1B); GPipe keeps every micro-batch's activations, ZB-V splits backward.
@@ -205,8 +207,11 @@ class JobPlan:
             # the planner's selective (Korthikanti's) is not the trainer's (every other
             # block recomputed in full): a search offers only what the trainer does
             return "the trainer's activation checkpointing is none, full or every other block"
-        if self.cfg.parallel == "auto" and (lay.virtual_stages > 1 or lay.sequence_parallel):
-            return "parallel: auto chooses 1F1B without sequence parallelism"  # plan/jobs/auto.py
+        if self.cfg.parallel == "auto" and (
+            lay.virtual_stages > 1 or lay.sequence_parallel or lay.ep > 1
+        ):
+            # plan/jobs/auto.py
+            return "parallel: auto chooses 1F1B without sequence or expert parallelism"
         try:
             self._check(lay, train.micro_batch)
         except ConfigError as exc:
@@ -227,7 +232,7 @@ class JobPlan:
         dp = n_gpus // (c.tp * c.pp)
         v, sp = c.virtual_stages or 1, bool(c.sequence_parallel)
         layout = Layout(dp=dp, tp=c.tp, pp=c.pp, zero=c.zero or 0, virtual_stages=v,
-                        sequence_parallel=sp)  # fmt: skip
+                        sequence_parallel=sp, ep=c.ep or 1)  # fmt: skip
         self._check(layout, c.micro_batch, comm=c.zero is not None)  # comm depends on zero
 
     def _check(self, lay: Layout, micro_batch: int, comm: bool = True) -> None:
@@ -240,7 +245,7 @@ class JobPlan:
         parallel = p.model_copy(
             update={"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                     "sequence_parallel": lay.sequence_parallel, "pp_schedule": schedule,
-                    "virtual_stages": lay.virtual_stages}
+                    "virtual_stages": lay.virtual_stages, "ep": lay.ep}
         )  # fmt: skip
         train = self.cfg.train.model_copy(update={"micro_batch": micro_batch})
         cfg = self.cfg.model_copy(update={"parallel": parallel, "train": train})
@@ -289,6 +294,7 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
         virtual_stages=virtual,
         recompute=recompute,
         sequence_parallel=given("sequence_parallel"),
+        ep=given("ep"),
     )
 
 

@@ -17,6 +17,50 @@ from meshforge.plan.core.search import LayoutChoice, best_layout, search_layouts
 from meshforge.plan.core.timing import Framework
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "seq")
+# the mixture-of-experts flags and the model.moe fields they set
+MOE_FLAGS = {"experts": "experts", "top_k": "top_k", "expert_ffn": "expert_ffn",
+             "shared_experts": "shared_experts", "dense_layers": "dense_layers"}  # fmt: skip
+_MOE_MIN = {"experts": 2, "top_k": 1, "expert_ffn": 1, "shared_experts": 0, "dense_layers": 0}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_moe_flags(
+    moe: dict[str, int | None],
+    preset_moe: dict[str, Any] | None = None,
+    layers: int | None = None,
+    family: str | None = None,
+) -> dict[str, int]:
+    """The mixture of experts the flags (`moe`: MOE_FLAGS' names, None where not given)
+    give, over a preset's model.moe: {} for a dense model. ConfigError naming the flag
+    for what the job config would refuse (--top-k above --experts, --experts without
+    --expert-ffn, a MoE flag without experts, ...)."""
+    given = {k: v for k, v in moe.items() if v is not None}
+    for name, value in given.items():
+        if value < _MOE_MIN[name]:
+            raise ConfigError(f"{_flag(name)} must be >= {_MOE_MIN[name]}, got {value}")
+    merged = {**(preset_moe or {}), **given}
+    if not given and not preset_moe:
+        return {}
+    if "experts" not in merged:
+        name = next(iter(given))
+        raise ConfigError(f"{_flag(name)} needs --experts (a mixture-of-experts model)")
+    if "expert_ffn" not in merged:
+        raise ConfigError("--experts needs --expert-ffn (the width of each expert's SwiGLU)")
+    if family == "gpt":
+        raise ConfigError("--experts needs --family llama (experts are SwiGLU feed-forwards)")
+    out = {"top_k": 2, "shared_experts": 0, "dense_layers": 0}  # model.moe's defaults
+    out.update({k: int(v) for k, v in merged.items() if k in MOE_FLAGS})
+    if out["top_k"] > out["experts"]:
+        raise ConfigError(f"--top-k {out['top_k']} is larger than --experts {out['experts']}")
+    if layers is not None and out["dense_layers"] >= layers:
+        raise ConfigError(
+            f"--dense-layers {out['dense_layers']} leaves no mixture-of-experts layer in "
+            f"--layers {layers}"
+        )
+    return out
 
 
 MAX_MLP_RATIO = 64  # wider than any published MLP (GPT-3, PaLM: 4; SwiGLU: 8/3-3.5)
@@ -34,15 +78,21 @@ def build_model(
     tied: bool | None = None,
     family: str | None = None,
     kv_heads: int | None = None,
+    moe: dict[str, int | None] | None = None,
+    head_dim: int | None = None,
 ) -> Model:
     """A model shape from a preset (`--model NAME`, the shape flags overriding it),
     from the five shape flags, or a bare parameter count. `tied`: the output head
     shares the token embedding (None: the preset's, or tied for a bare shape, as
     meshforge's gpt); `family` gpt or llama, `kv_heads` grouped-query attention's
     key/value heads (a bare shape only). `mlp_ratio` None: 4 (gpt), or llama's own
-    SwiGLU width (8/3 h rounded up to 64)."""
+    SwiGLU width (8/3 h rounded up to 64). `moe`: the mixture-of-experts flags
+    (MOE_FLAGS' names; check_moe_flags), `head_dim` the width of a head (llama)."""
     ratio = 4 if mlp_ratio is None else mlp_ratio
+    moe = moe or {}
     given = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq": seq}
+    if head_dim is not None and not (head_dim >= 2 and head_dim % 2 == 0):
+        raise ConfigError(f"--head-dim must be an even number >= 2 (rotary), got {head_dim}")
     if params is not None:
         if any(v is not None for v in given.values()) or preset is not None or tied is not None:
             raise ConfigError(
@@ -52,7 +102,14 @@ def build_model(
             raise ConfigError(f"--params must be a finite number > 0, got {params}")
         return float(params)
     if preset is not None:
-        return _preset_shape(preset, given, ratio, tied)
+        from meshforge.presets import PRESETS
+
+        base = PRESETS.get(preset, {})
+        if head_dim is not None and base.get("name", "gpt") == "gpt":
+            raise ConfigError(f"--head-dim with --model {preset}: a gpt has no head_dim (llama)")
+        check_moe_flags(moe, base.get("moe"), layers or base.get("n_layers"),
+                        base.get("name", "gpt"))  # fmt: skip
+        return _preset_shape(preset, given, ratio, tied, model_fields(moe, head_dim))
     missing = [f"--{k}" for k, v in given.items() if v is None]
     if missing:
         raise ConfigError(
@@ -63,15 +120,20 @@ def build_model(
             raise ConfigError(f"--{name} must be >= 1, got {value}")
     if not 1 <= ratio <= MAX_MLP_RATIO:
         raise ConfigError(f"--mlp-ratio must be between 1 and {MAX_MLP_RATIO}, got {ratio}")
-    if hidden % heads:  # type: ignore[operator]
+    if hidden % heads and head_dim is None:  # type: ignore[operator]
         raise ConfigError(f"--heads {heads} does not divide --hidden {hidden}")
+    experts = check_moe_flags(moe, None, layers, family)
+    if family is None and (experts or head_dim is not None):
+        family = "llama"  # experts and head_dim are the llama family's
     family = family or "gpt"
+    if head_dim is not None and family == "gpt":
+        raise ConfigError("--head-dim needs --family llama")
     if family not in ("gpt", "llama"):
         raise ConfigError(f"--family must be gpt or llama, got {family!r}")
     if kv_heads is not None and not (kv_heads >= 1 and heads % kv_heads == 0):  # type: ignore[operator]
         raise ConfigError(f"--kv-heads {kv_heads} must be >= 1 and divide --heads {heads}")
     extra = {"tie_embeddings": True if tied is None else tied, "family": family,
-             "n_kv_heads": kv_heads}  # fmt: skip
+             "n_kv_heads": kv_heads, "head_dim": head_dim, **experts}  # fmt: skip
     if family == "llama" and mlp_ratio is None:  # llama's own SwiGLU width (flops.py)
         return GPTShape(layers, hidden, heads, vocab, seq, **extra)  # type: ignore[arg-type]
     # the MLP's width: ratio x h (for llama, of each of SwiGLU's three matrices)
@@ -85,14 +147,30 @@ _FLAG_FIELDS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                 "vocab": "vocab_size", "seq": "seq_len"}  # fmt: skip
 
 
+def model_fields(moe: dict[str, int | None] | None, head_dim: int | None) -> dict[str, Any]:
+    """The model fields the MoE and head flags write into a preset's job config (checked
+    first: check_moe_flags)."""
+    out: dict[str, Any] = {}
+    if head_dim is not None:
+        out["head_dim"] = head_dim
+    given = {MOE_FLAGS[k]: v for k, v in (moe or {}).items() if v is not None}
+    if given:
+        out["moe"] = given  # merged over the preset's model.moe by the config
+    return out
+
+
 def _preset_shape(
-    preset: str, given: dict[str, int | None], mlp_ratio: float, tied: bool | None = None
+    preset: str,
+    given: dict[str, int | None],
+    mlp_ratio: float,
+    tied: bool | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> GPTShape:
     """The shape a job file with `model: {preset: NAME, ...}` trains: the same config
     code reads both, so the planner and the trainer agree."""
     from meshforge.plan.core.flops import shape_of
 
-    return shape_of(preset_config(preset, given, mlp_ratio, tied=tied))
+    return shape_of(preset_config(preset, given, mlp_ratio, tied=tied, fields=fields))
 
 
 def preset_config(
@@ -101,15 +179,18 @@ def preset_config(
     mlp_ratio: float = 4,
     training: Training | None = None,
     tied: bool | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> Any:
     """The job config (`config.JobConfig`) of `model: {preset: NAME, ...}` with the shape
-    flags written in, and the global batch and precision of `training` if given."""
+    flags written in (and `fields`: model fields such as head_dim and moe), and the
+    global batch and precision of `training` if given."""
     from meshforge.config import build_config
 
     model: dict[str, object] = {"preset": preset}
     model.update({_FLAG_FIELDS[k]: v for k, v in given.items() if v is not None})
     if tied is not None:
         model["tie_embeddings"] = tied
+    model.update(fields or {})
     if mlp_ratio != 4:
         from meshforge.presets import PRESETS
 
@@ -139,6 +220,7 @@ def preset_job(
     training: Training,
     choice: LayoutChoice,
     tied: bool | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> Any:
     """A preset planned as the job that trains it (`plan.jobs.job.JobPlan`): its `refusal`
     keeps a search to the layouts `meshforge train` runs for that model (a tied head
@@ -148,7 +230,7 @@ def preset_job(
     from meshforge.plan.core.flops import shape_of
     from meshforge.plan.jobs.job import JobPlan
 
-    cfg = preset_config(preset, given, mlp_ratio, training, tied)
+    cfg = preset_config(preset, given, mlp_ratio, training, tied, fields)
     return JobPlan(cfg, shape_of(cfg), training, choice)
 
 
@@ -156,6 +238,7 @@ def preset_job(
 _ADVICE_AS_FLAGS = {
     "set model.tie_embeddings: false": "give --no-tie-embeddings",
     "use zero: 2 or 3": "use --zero 2 or 3",
+    "use zero: 0, 2 or 3": "use --zero 0, 2 or 3",
 }
 
 
@@ -173,10 +256,12 @@ def preset_refusal(
     choice: LayoutChoice,
     n_gpus: int,
     tied: bool | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> Callable[[Prediction], str | None]:
     """For `plan --model` and `cost --tokens --model`: the preset's `preset_job`
-    refusal, its advice in flags; a given layout the trainer refuses raises now."""
-    job = preset_job(preset, given, mlp_ratio, training, choice, tied)
+    refusal, its advice in flags; a given layout the trainer refuses raises now.
+    `fields`: model fields the flags set (`model_fields`)."""
+    job = preset_job(preset, given, mlp_ratio, training, choice, tied, fields)
     try:
         job.check_given(n_gpus)
     except ConfigError as exc:
@@ -264,13 +349,14 @@ def _reason(
         lay, train = p.layout, p.training
         searched = {f: getattr(choice, f) is None for f in ("tp", "pp", "zero", "micro_batch",
                                                             "virtual_stages", "recompute",
-                                                            "sequence_parallel")}  # fmt: skip
+                                                            "sequence_parallel", "ep")}  # fmt: skip
         return (
             lay.tp if searched["tp"] else 0,
             lay.pp if searched["pp"] else 0,
             lay.virtual_stages if searched["virtual_stages"] else 0,
             lay.sequence_parallel if searched["sequence_parallel"] else False,
             lay.zero if searched["zero"] else 0,
+            lay.ep if searched["ep"] else 0,
             train.recompute != "none" if searched["recompute"] else False,
             train.micro_batch if searched["micro_batch"] else 0,
         )
