@@ -5,6 +5,7 @@ resumed at world 1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,9 @@ def test_a_run_killed_under_ep2_resumes_at_world_1_on_the_uninterrupted_curve(tm
     report = job.report
     assert report["resumed_from"] == 4
     assert report["world_size"] == 1 and "ep" not in report["layout"]  # ep 1: not listed
+    segments = [json.loads(line) for line in (job.run_dir / "segments.jsonl").open()]
+    layouts = [(r["world_size"], r["layout"].get("ep")) for r in segments if "layout" in r]
+    assert layouts == [(2, 2), (1, None)], layouts
     expected, got = straight.losses(), job.losses()
     assert sorted(got) == sorted(expected) == list(range(1, 9))
     for step in range(5, 9):
