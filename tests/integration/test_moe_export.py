@@ -107,3 +107,16 @@ def test_the_mixtral_mapping_names_every_expert_once():
         for e in range(4):
             got = out[f"{layer}experts.{e}.{theirs}.weight"]
             assert torch.equal(got, state[f"blocks.1.mlp.experts.{ours}.weight"][e])
+
+
+def test_the_mixtral_config_carries_the_routing_and_notes_a_capacity():
+    cfg = build_config({"model": {**_moe_model(load_balance="none"), "head_dim": 16}}).model
+    config = formats.hf_config(cfg, eod_id=None)
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    assert (config["intermediate_size"], config["head_dim"]) == (32, 16)
+    assert config["router_aux_loss_coef"] == 0.0  # load_balance: none
+    assert formats.hf_notes(cfg) == []
+    capped = build_config({"model": _moe_model(capacity_factor=1.25)}).model
+    (note,) = formats.hf_notes(capped)
+    assert "capacity_factor=1.25" in note and "every token" in note
