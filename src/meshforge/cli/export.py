@@ -25,7 +25,8 @@ def export(
             "--format",
             help="torch: a torch.save state dict; safetensors: the same as safetensors "
             "(both with meshforge's names); hf: a Hugging Face model directory "
-            "(GPT2LMHeadModel or LlamaForCausalLM, with the tokenizer).",
+            "(GPT2LMHeadModel, LlamaForCausalLM or, for a mixture of experts, "
+            "MixtralForCausalLM, with the tokenizer).",
         ),
     ],
     out: Annotated[

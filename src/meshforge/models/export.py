@@ -11,9 +11,21 @@
 - ``hf``: a Hugging Face model directory that ``transformers`` loads with no custom
   code: ``config.json``, ``model.safetensors`` and, when the tokenizer is known,
   ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``. The GPT
-  becomes a ``GPT2LMHeadModel``, the Llama-style model a ``LlamaForCausalLM``
-  (`hf_weights` and `hf_config` hold the mapping). Everything is written here from
-  meshforge's own config: ``transformers`` is never imported.
+  becomes a ``GPT2LMHeadModel``, the Llama-style model a ``LlamaForCausalLM``, a
+  Llama-style mixture of experts a ``MixtralForCausalLM`` (`hf_weights` and
+  `hf_config` hold the mapping; `hf_refusal` says why a model has none). Everything is
+  written here from meshforge's own config: ``transformers`` is never imported.
+
+The MoE to Mixtral mapping: Mixtral routes every token of every layer by a softmax
+over the router's logits to its top ``num_experts_per_tok`` experts, their weights
+renormalised to sum to 1, each expert a SwiGLU ``w2(silu(w1 x) * w3 x)``: meshforge's
+MoE with the softmax router, no dense layers, no shared experts and no routing bias.
+The router becomes ``block_sparse_moe.gate``; the stacked expert weights are split
+into the Hub's per-expert layout, expert e's gate, proj and up as
+``block_sparse_moe.experts.{e}.w1``, ``w2`` and ``w3`` (transformers 5 merges them back
+into its fused ``gate_up_proj`` and ``down_proj`` when it loads them). Mixtral has no
+capacity: a model trained with ``capacity_factor`` exports, and Mixtral then routes
+every token (a note says so).
 
 The GPT to GPT-2 mapping: GPT-2's ``Conv1D`` holds its weight as (in, out), the
 transpose of ``nn.Linear``'s; its ``c_attn`` is q, k and v side by side; its
@@ -46,7 +58,11 @@ class Tokenizer(Protocol):
 
 TORCH_FILE = "model.pt"
 SAFETENSORS_FILE = "model.safetensors"
-HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+HF_ARCHITECTURES = {
+    "gpt": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "llama-moe": "MixtralForCausalLM",
+}
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which models/gpt.py uses
 
 # meshforge's Llama-style names -> LlamaForCausalLM's, applied in order: prefixes
@@ -68,6 +84,46 @@ _LLAMA_PARTS = (
     (".mlp.up.", ".mlp.up_proj."),
     (".mlp.proj.", ".mlp.down_proj."),
 )
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers class an hf export of `cfg` loads as (see `hf_refusal`)."""
+    if cfg.name == "llama" and cfg.moe is not None:
+        return HF_ARCHITECTURES["llama-moe"]
+    return HF_ARCHITECTURES[cfg.name]
+
+
+def hf_refusal(cfg: ModelConfig) -> str | None:
+    """Why `cfg`'s model has no transformers architecture that computes what it does
+    (one clause), or None when it has one. A mixture of experts maps to Mixtral only."""
+    moe = cfg.moe
+    if cfg.name != "llama" or moe is None:
+        return None
+    why = []
+    if moe.dense_layers:
+        why.append(f"dense_layers={moe.dense_layers} (every Mixtral layer is a mixture)")
+    if moe.shared_experts:
+        why.append(f"shared_experts={moe.shared_experts} (Mixtral has none)")
+    if moe.router != "softmax":
+        why.append(f"router={moe.router} (Mixtral's is softmax)")
+    if moe.load_balance == "bias":
+        why.append("load_balance=bias (Mixtral has no routing bias)")
+    if not why:
+        return None
+    return (
+        f"model.moe has {', '.join(why)}: --format hf writes a mixture of experts as "
+        "MixtralForCausalLM only; use --format torch or safetensors"
+    )
+
+
+def hf_notes(cfg: ModelConfig) -> list[str]:
+    """What an hf export of `cfg` computes differently, one note each."""
+    if cfg.moe is not None and cfg.moe.capacity_factor is not None:
+        return [
+            f"model.moe.capacity_factor={cfg.moe.capacity_factor} is not exported: "
+            "Mixtral routes every token (an expert over capacity drops none)"
+        ]
+    return []
 
 
 def write_torch(model: nn.Module, directory: Path) -> list[str]:
@@ -111,7 +167,12 @@ def hf_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, to
     """meshforge's state dict under transformers' names and layouts, each tensor stored
     once (a tied head is left to ``tie_word_embeddings``)."""
     state = {k: v for k, v in state.items() if not (cfg.tie_embeddings and k == "head.weight")}
-    out = _gpt2_weights(cfg, state) if cfg.name == "gpt" else _llama_weights(state)
+    if cfg.name == "gpt":
+        out = _gpt2_weights(cfg, state)
+    elif cfg.moe is not None:
+        out = _llama_weights(_mixtral_experts(cfg, state))
+    else:
+        out = _llama_weights(state)
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -127,6 +188,28 @@ def _llama_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             new = new.replace(old, hf)
         out[new] = tensor
     return out
+
+
+def _mixtral_experts(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each MoE layer's router and stacked experts under Mixtral's per-expert names
+    (prefixed with meshforge's `blocks.{i}.`, renamed by `_llama_weights`)."""
+    problem = hf_refusal(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    assert cfg.moe is not None
+    state = dict(state)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.n_layers):
+        b, moe = f"blocks.{i}.mlp.", f"blocks.{i}.block_sparse_moe."
+        out[f"{moe}gate.weight"] = state.pop(f"{b}router.weight")
+        for ours, theirs in (("gate", "w1"), ("proj", "w2"), ("up", "w3")):
+            stacked = state.pop(f"{b}experts.{ours}.weight")  # (experts, out, in)
+            for e in range(cfg.moe.experts):
+                out[f"{moe}experts.{e}.{theirs}.weight"] = stacked[e]
+    left = [k for k in state if ".mlp." in k]
+    if left:
+        raise ValueError(f"no Mixtral name for {sorted(left)}")
+    return {**state, **out}
 
 
 def _gpt2_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,6 +268,8 @@ def hf_config(cfg: ModelConfig, eod_id: int | None) -> dict[str, Any]:
             "scale_attn_weights": True,
             **common,
         }
+    if cfg.name == "llama" and cfg.moe is not None:
+        return _mixtral_config(cfg, common)
     if cfg.name == "llama":
         return {
             "architectures": [HF_ARCHITECTURES["llama"]],
@@ -194,7 +279,7 @@ def hf_config(cfg: ModelConfig, eod_id: int | None) -> dict[str, Any]:
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.d_model // cfg.n_heads,
+            "head_dim": cfg.attention_head_dim,
             "max_position_embeddings": cfg.seq_len,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_eps,
@@ -209,6 +294,38 @@ def hf_config(cfg: ModelConfig, eod_id: int | None) -> dict[str, Any]:
             **common,
         }
     raise ValueError(f"model.name={cfg.name} has no Hugging Face architecture")
+
+
+def _mixtral_config(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
+    problem = hf_refusal(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    moe = cfg.moe
+    assert moe is not None
+    return {
+        "architectures": [HF_ARCHITECTURES["llama-moe"]],
+        "model_type": "mixtral",
+        "hidden_size": cfg.d_model,
+        "intermediate_size": moe.expert_ffn,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.attention_head_dim,
+        "max_position_embeddings": cfg.seq_len,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers < 5; 5 reads rope_parameters
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "num_local_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "output_router_logits": False,
+        "router_aux_loss_coef": moe.aux_loss_coeff if moe.load_balance == "aux_loss" else 0.0,
+        "router_jitter_noise": 0.0,
+        **common,
+    }
 
 
 def hf_tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:

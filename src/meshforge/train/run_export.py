@@ -12,9 +12,10 @@ report.json's `final_param_digest` (parallel/parallelize.py `digest_of`).
 
 Bad input is refused before the checkpoint is read, each with one line: a missing run
 directory or config.yaml, no valid checkpoint (or none of `step`), an unknown format,
-`hf` for a user's factory model, a factory model without `trust_model_code` (a run
-directory is data: its code is imported only when the user says so, train/saved_run.py),
-an existing output.
+`hf` for a user's factory model or for a mixture of experts that no transformers class
+computes (models/export.py `hf_refusal`: Mixtral is the only one), a factory model
+without `trust_model_code` (a run directory is data: its code is imported only when the
+user says so, train/saved_run.py), an existing output.
 
 `replace` (`--force`) replaces an earlier export only: a directory that holds nothing but
 what an export writes (`is_export`: a torch or safetensors export's weights beside a job
@@ -94,9 +95,15 @@ def export_run(
     if fmt == "hf" and cfg.model.is_factory:
         raise ConfigError(
             f"model.name={cfg.model.name} is a user's factory: --format hf writes meshforge's "
-            "gpt (GPT2LMHeadModel) and llama (LlamaForCausalLM) only; use --format torch or "
-            "safetensors"
+            "gpt (GPT2LMHeadModel) and llama (LlamaForCausalLM; MixtralForCausalLM with "
+            "model.moe) only; use --format torch or safetensors"
         )
+    if fmt == "hf":
+        from meshforge.models.export import hf_refusal
+
+        problem = hf_refusal(cfg.model)
+        if problem is not None:
+            raise ConfigError(problem)
     check_code_trusted(cfg, run_dir, trust_model_code, "export")
     if tokenizer_file is not None and fmt != "hf":
         raise ConfigError(f"--tokenizer applies to --format hf, not {fmt}")
@@ -122,7 +129,8 @@ def export_run(
         with staged_directory(out, replace=replace) as stage:
             if fmt == "hf":
                 result.files = formats.write_hf(saved.model, cfg.model, stage, tokenizer)
-                result.architecture = formats.HF_ARCHITECTURES[cfg.model.name]
+                result.architecture = formats.hf_architecture(cfg.model)
+                result.notes.extend(formats.hf_notes(cfg.model))
             else:
                 if fmt == "torch":
                     result.files = formats.write_torch(saved.model, stage)
