@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-from layouts import train_layout
-
 STEPS = 20
 RTOL = 1e-4
 
@@ -37,17 +35,19 @@ LAYOUTS = [
     ("ep2", 2, {"ep": 2}),
     ("ep2-zero3", 2, {"ep": 2, "zero": 3}),
     ("ep4", 4, {"ep": 4}),
+    ("ep2-dp4", 4, {"ep": 2}),  # two expert groups: expert gradients all-reduced over edp
+    ("ep2-zero3-dp4", 4, {"ep": 2, "zero": 3}),  # ... and sharded over edp by FSDP
     ("ep2xtp2", 4, {"ep": 2, "tp": 2}),
     ("ep2xpp2", 4, {"ep": 2, "pp": 2}),
 ]
 
 
 @pytest.fixture(scope="module")
-def reference(gloo) -> dict[int, float]:
-    (out,) = gloo.run(1, train_layout, moe_job({}), STEPS)
+def reference(gloo) -> dict[str, Any]:
+    (out,) = gloo.run(1, train_with_load, moe_job({}), STEPS)
     losses = out["losses"]
     assert losses[STEPS] < losses[1], "the world-1 run did not learn"
-    return losses
+    return out
 
 
 def _assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str, rel: float):
@@ -62,10 +62,24 @@ def _assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str,
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[entry[0] for entry in LAYOUTS])
 def test_every_expert_layout_matches_world_1_step_by_step(gloo, reference, layout):
     name, world, parallel = layout
-    results = gloo.run(world, train_layout, moe_job(parallel), STEPS)
+    results = gloo.run(world, train_with_load, moe_job(parallel), STEPS)
     assert results[0]["layout"]["ep"] == parallel["ep"]
     for rank, out in enumerate(results):
-        _assert_same_losses(out["losses"], reference, f"{name} rank {rank}", RTOL)
+        _assert_same_losses(out["losses"], reference["losses"], f"{name} rank {rank}", RTOL)
+    # each rank holds 1/ep of the experts, and ZeRO-3 shards them over edp too
+    zero3 = parallel.get("zero") == 3
+    share = (
+        1
+        / parallel["ep"]
+        / (
+            world // parallel["ep"] // parallel.get("tp", 1) // parallel.get("pp", 1)
+            if zero3
+            else 1
+        )
+    )
+    assert results[0]["expert_share"] == pytest.approx(share), name
+    # the gradient norm (AdamW would hide a wrongly scaled gradient from the losses)
+    _assert_same_losses(results[0]["grad_norm"], reference["grad_norm"], f"{name} grad norm", RTOL)
 
 
 def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -86,7 +100,7 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     engine = Engine.build(cfg, rank, world, torch.device("cpu"))
     dims, t = engine.dims, cfg.train
     load = ExpertLoad(engine.parts, dims, engine.mesh, rank, cfg.model.n_layers)
-    out: dict[str, Any] = {"losses": {}, "moe": {}}
+    out: dict[str, Any] = {"losses": {}, "moe": {}, "grad_norm": {}, "layout": dims.as_dict()}
     for step in range(steps):
         micro_batches = rank_micro_batches(
             _tokens(cfg.data.source), seq_len=cfg.model.seq_len, global_batch=t.global_batch,
@@ -97,9 +111,12 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
         out["losses"][step + 1] = engine.strategy.reduce_loss(
             result.loss_sum / dims.microbatches
         ).item()
+        out["grad_norm"][step + 1] = float(result.grad_norm)  # clipped at 1.0: computed
         engine.optimizers.zero_grad()
         load.after_step()
         out["moe"][step + 1] = load.interval(torch.device("cpu"))
+    experts = [p for n, p in engine.parts.named_parameters() if ".experts." in n]
+    out["expert_share"] = sum(_local(p).numel() for p in experts) / sum(p.numel() for p in experts)
     out["bias"] = {
         name: buf.tolist()
         for part in engine.parts.modules
@@ -107,6 +124,10 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
         if name.endswith("expert_bias")
     }
     return out
+
+
+def _local(p: Any) -> Any:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 TOKENS_PER_STEP = 8 * 32  # global batch x seq_len

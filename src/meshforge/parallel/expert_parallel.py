@@ -15,11 +15,15 @@ layout) and wraps the layer's `GroupedExperts`:
   compute   the local experts, as the model computes them (one grouped GEMM or a loop);
   combine   the reverse: reorder back, all-to-all back to the ranks the tokens came from.
 
-Gradients. Expert weights are outside the data-parallel wrappers (DDP, FSDP2's
-`replicate` and `fully_shard` take them as ignored parameters): their gradient already
-sums the contributions of every rank of the expert group (the all-to-all's backward
-brings them home), so `ExpertGradSync` sums it over the `edp` ranks that hold the same
-experts and divides by dp, the average data parallelism takes of every other gradient.
+Gradients. An expert weight's gradient already sums the contributions of every rank
+of the expert group (the all-to-all's backward brings them home); data parallelism
+must then sum it over the `edp` ranks that hold the same experts and divide by dp,
+the average it takes of every other gradient. Under DDP and FSDP2's `replicate`
+(ZeRO 0) the expert weights are ignored parameters of the wrapper and
+`ExpertGradSync` all-reduces them over edp; under ZeRO-2/3 with edp > 1 they are FSDP
+units of their own on the edp mesh (sharded there too: each rank keeps
+experts / ep / edp of them), whose reduce-scatter averages over edp, and
+`ExpertGradSync` divides by ep.
 """
 
 from __future__ import annotations
@@ -105,11 +109,12 @@ def _expert_major(sizes: torch.Tensor) -> torch.Tensor:
 
 class ExpertGradSync:
     """After the step's last backward: sum each expert weight's gradient over the ranks
-    that hold the same experts (`edp_group`, None when there is only one) and divide
-    by the data-parallel degree."""
+    that hold the same experts (`edp_group`; None when there is only one, or when FSDP
+    has reduce-scattered them already) and divide by `divide` (the data-parallel
+    degree; ep after FSDP's average over edp)."""
 
-    def __init__(self, params: list[nn.Parameter], edp_group, dp: int) -> None:
-        self.params, self.group, self.dp = params, edp_group, dp
+    def __init__(self, params: list[nn.Parameter], edp_group, divide: int) -> None:
+        self.params, self.group, self.dp = params, edp_group, divide
 
     def __call__(self) -> None:
         for p in self.params:

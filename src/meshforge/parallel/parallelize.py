@@ -56,6 +56,7 @@ from meshforge.parallel.comm import (
 from meshforge.parallel.expert_parallel import (
     ExpertGradSync,
     apply_expert_parallel,
+    expert_layers,
     expert_parameters,
 )
 
@@ -195,14 +196,31 @@ def build_model_parts(
     comm = cfg._parallel().comm
     dtype = cfg.precision.dtype
     ignored = set(expert_parameters(modules)) if dims.ep_enabled else set()
+    # ZeRO-2/3 with more than one expert group: FSDP shards the expert weights over the
+    # ranks that hold the same experts ("edp") too
+    fsdp_experts = bool(ignored) and wrapper == "fsdp" and dims.edp > 1
+    experts = ExpertSharding(mesh["edp"]) if fsdp_experts else None
     parts = wrap_data_parallel(
-        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise, ignored=ignored
-    )
+        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise,
+        ignored=ignored, experts=experts,
+    )  # fmt: skip
     parts.n_params = n_params
     if ignored:
-        edp = mesh["edp"].get_group() if dims.edp > 1 else None
-        parts.expert_sync = ExpertGradSync(sorted(ignored, key=id), edp, dims.dp)
+        # FSDP's reduce-scatter averaged the expert weights' gradients over edp (it
+        # cannot divide by another factor on gloo: PREMUL_SUM); else all-reduce them
+        edp = mesh["edp"].get_group() if dims.edp > 1 and experts is None else None
+        divide = dims.ep if experts is not None else dims.dp
+        # in the modules' order: every rank of the edp group reduces the same tensors in turn
+        parts.expert_sync = ExpertGradSync(expert_parameters(modules), edp, divide)
     return parts
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    """FSDP over the expert weights: their own units on `mesh` (the ranks holding the
+    same experts)."""
+
+    mesh: DeviceMesh
 
 
 def wrap_data_parallel(
@@ -216,6 +234,7 @@ def wrap_data_parallel(
     materialise: Callable[[nn.Module], None] | None = None,
     units: list[nn.Module] | None = None,
     ignored: set[nn.Parameter] | None = None,
+    experts: ExpertSharding | None = None,
 ) -> ModelParts:
     """`modules` wrapped for data parallelism (`wrapper`: "ddp", "fsdp", "replicate" or
     "none"; `comm`: parallel.comm's settings): FSDP units are sharded before
@@ -227,7 +246,7 @@ def wrap_data_parallel(
     if wrapper in ("fsdp", "replicate"):
         mp = mixed_precision(dtype, comm.reduce_dtype)
         for m in modules:
-            _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units, ignored)
+            _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units, ignored, experts)
     if materialise is not None:
         for m in modules:
             materialise(m)
@@ -292,9 +311,13 @@ def _shard(
     prefetch: int | None,
     units: list[nn.Module] | None = None,
     ignored: set[nn.Parameter] | None = None,
+    experts: ExpertSharding | None = None,
 ) -> None:
     kwargs: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
-    if ignored:
+    if experts is not None:
+        for layer in expert_layers(m):  # their own units first, inside their blocks'
+            fully_shard(layer, mesh=experts.mesh, reshard_after_forward=zero == 3, **kwargs)
+    elif ignored:
         kwargs["ignored_params"] = ignored
     if wrapper == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
