@@ -39,6 +39,10 @@ CASES = [
                                                    "aux_loss_coeff": 0.1}}}, 1,
      ["model.moe.aux_loss_coeff", "load_balance=aux_loss"]),
     ("bad-router", {"model": {"moe": {"router": "relu"}}}, 1, ["model.moe.router"]),
+    ("fp16", {"precision": {"dtype": "fp16"}}, 1, ["precision.dtype=fp16", "bf16"]),
+    ("sequence-parallel", {"parallel": {"tp": 2, "sequence_parallel": True}}, 2,
+     ["parallel.sequence_parallel=true", "mixture-of-experts"]),
+    ("ep-with-zero1", {"parallel": {"ep": 2, "zero": 1}}, 2, ["parallel.ep=2", "parallel.zero=1"]),
 ]  # fmt: skip
 
 

@@ -335,6 +335,11 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
     ranks borrowed from data parallelism, beside the layouts its all-to-all composes
     with."""
     out, ep = [], req.ep
+    if shape.experts and req.dtype == "fp16":
+        out.append(
+            f"{n.show('dtype', 'fp16')} with a mixture-of-experts model is not supported "
+            "(its auxiliary loss would miss the loss scale); use bf16"
+        )
     if shape.experts and req.sequence_parallel:
         out.append(
             f"{n.show('sequence_parallel', True)} with a mixture-of-experts model is not "
@@ -359,8 +364,6 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
             f"{n.show('ep', ep)} with {n.show('zero', 1)} is not supported (torch's "
             "ZeroRedundancyOptimizer takes plain tensors only); use zero: 0, 2 or 3"
         )
-    if req.dtype == "fp16":
-        out.append(f"{n.show('ep', ep)} with {n.show('dtype', 'fp16')} is not supported; use bf16")
     if req.compile:
         out.append(f"{n.show('compile', True)} is supported with {n.name('ep')}=1 only")
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -20,6 +22,9 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     shape = (dims.pp, dims.edp, dims.ep, dims.tp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
     mesh["edp", "ep"]._flatten("dp")
+    # torch warns on every `mesh["dp"]` that slicing a flattened dimension from the root
+    # is to be deprecated; every layout names "dp" the same way, so it is sliced so here
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     return mesh
 
 
