@@ -196,3 +196,24 @@ def test_the_end_of_run_table_has_an_experts_line(moe_run: tuple[Path, str]) -> 
     assert "dropped 0.0%" in line and f"aux loss {moe['aux_loss']:.4f}" in line
     # and the table the train command printed at its end has it too
     assert re.search(r"│ experts\s+│ max/mean load", stdout)
+
+
+def test_html_without_aux_loss_says_why_and_odd_sections_do_not_break_it(
+    moe_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    def bias(report: dict) -> None:
+        report["moe"].update(load_balance="bias", aux_loss=None)
+
+    def odd(row: dict) -> None:
+        row["moe"].pop("aux_loss")
+        if row["step"] == 5:  # a section cut short and garbled
+            row["moe"] = {"layers": "x", "tokens_per_expert": [[1, "a"]], "max_load": None}
+
+    run = _copy(moe_run[0], tmp_path, report=bias, rows=odd)
+    page = build_html([run])
+    drops = _figure(page, "plot-moe-drops")
+    assert "no auxiliary loss (load_balance bias)" in drops
+    assert drops.count("<svg") == 1  # dropped tokens; no aux loss plot
+    assert "<h2>Mixture of experts</h2>" in page
+    (run / "report.json").unlink()  # summed from the rows: the garbled one left out
+    assert "layer 1, expert 0" in build_html([run])

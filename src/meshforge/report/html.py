@@ -892,14 +892,14 @@ def _moe_drops_plot(runs: list[Run], sections: list[dict[str, Any] | None]) -> P
     for i, run in enumerate(runs):
         rows = _moe_rows(run)
         tag, color = _tag(i, runs), _color(i, runs)
-        xs = [r["step"] for r in rows if _number(r["moe"].get("dropped_fraction")) is not None]
-        ys = [100.0 * _number(r["moe"].get("dropped_fraction")) for r in rows if r["step"] in xs]
-        drops.append(Line(f"{tag}dropped", xs, ys, color))
-        ax = [r["step"] for r in rows if _scalar(r["moe"].get("aux_loss")) is not None]
-        ay = [_scalar(r["moe"].get("aux_loss")) for r in rows if r["step"] in ax]
-        aux.append(Line(f"{tag}aux loss", ax, ay, color))
+        dropped = [(r["step"], _scalar(r["moe"].get("dropped_fraction"))) for r in rows]
+        dropped = [(x, 100.0 * y) for x, y in dropped if y is not None]
+        losses = [(r["step"], _scalar(r["moe"].get("aux_loss"))) for r in rows]
+        losses = [(x, y) for x, y in losses if y is not None]
+        drops.append(Line(f"{tag}dropped", [x for x, _ in dropped], [y for _, y in dropped], color))
+        aux.append(Line(f"{tag}aux loss", [x for x, _ in losses], [y for _, y in losses], color))
         moe = sections[i] or {}
-        if rows and not ax:
+        if rows and not losses:
             notes.append(
                 f"{tag}{run.name}: no auxiliary loss (load_balance "
                 f"{moe.get('load_balance') or 'is not aux_loss'})"
