@@ -24,7 +24,9 @@ def top(
 ) -> None:
     """A live terminal view of a run: status, step and ETA, loss, tokens/s and MFU; each
     rank's step, phase, step time, memory and record age (stale ones flagged); each
-    host's CPU, memory, network and GPUs. Exits when the run ends, or on Ctrl-C."""
+    host's CPU, memory, network and GPUs; for a mixture-of-experts run, the worst
+    layer's max/mean expert load, the dropped fraction and the auxiliary loss. Exits
+    when the run ends, or on Ctrl-C."""
     from meshforge.report.top import check_run_dir, watch
 
     raise typer.Exit(watch(check_run_dir(run_dir), interval_s=interval, once=once))

@@ -16,7 +16,9 @@ The verdict, in this order:
   record (a stopped process) or kept writing it without entering the collective the
   others were in (stuck in its own code). The lowest collective sequence is the rank
   the others waited for.
-- `straggler`: the run completed and named a rank consistently slower than the median.
+- `straggler`: the run completed and named a rank consistently slower than the median,
+  with the cause where the metrics rows give one (`straggler_causes`: a rank holding
+  the experts that got most of a mixture-of-experts model's tokens), and advice for it.
 - `ok`: the run completed. `stopped`: a SIGTERM or Ctrl-C stopped it (with the step it
   checkpointed). `ended`: no report, failure or stop was recorded and nothing holds the
   run directory any more: its launcher and workers were killed (SIGKILL, a lost node).
@@ -303,7 +305,19 @@ def _completed(ev: Evidence) -> dict[str, Any]:
             f"the run completed{again}; {_who(blamed[stragglers.index(worst)])} was a "
             f"straggler: {worst.get('slowdown', 0):.2f}x the median rank's own work per step"
         )
-        return _verdict(ev, "straggler", blamed, summary, _straggler_advice(stragglers))
+        causes = {
+            s["rank"]: ev.straggler_causes[s["rank"]]
+            for s in stragglers
+            if s["rank"] in ev.straggler_causes
+        }
+        cause = causes.get(worst["rank"])
+        if cause is not None:
+            summary += f"; cause: {cause['cause']}{_how_often(cause)}"
+        advice = _straggler_advice(ev, stragglers, causes)
+        result = _verdict(ev, "straggler", blamed, summary, advice)
+        result["cause"] = cause["cause"] if cause is not None else None
+        result["evidence"]["straggler_causes"] = {str(r): c for r, c in causes.items()}
+        return result
     summary = f"the run completed {report.get('steps', '?')} steps" + (again or " without a fault")
     return _verdict(ev, "ok", [], summary, [])
 
@@ -486,13 +500,76 @@ def _partition_advice(ev: Evidence, blamed: list[Rank]) -> list[str]:
     ]
 
 
-def _straggler_advice(stragglers: list[dict[str, Any]]) -> list[str]:
+def _how_often(cause: dict[str, Any]) -> str:
+    n, named = cause.get("intervals") or 0, cause.get("named") or 0
+    return f" (on {n} of the {named} logged intervals that named it)" if named > 1 else ""
+
+
+def _straggler_advice(
+    ev: Evidence, stragglers: list[dict[str, Any]], causes: dict[int, dict[str, Any]]
+) -> list[str]:
+    advice = []
+    if any(str(c.get("cause", "")).startswith("hot experts") for c in causes.values()):
+        advice += _hot_expert_advice(ev)
     hosts = ", ".join(sorted({str(s.get("host") or "?") for s in stragglers}))
-    return [
+    return advice + [
         f"look at {hosts}: other processes (top, nvidia-smi), clocks and thermal throttling, "
         "a slower device or link",
         "the metrics rows name stragglers per interval (metrics.jsonl: stragglers, own_s_per_rank)",
     ]
+
+
+def _hot_expert_advice(ev: Evidence) -> list[str]:
+    """What spreads a mixture-of-experts model's tokens over its experts (and ranks)."""
+    model = ev.config.get("model") if isinstance(ev.config.get("model"), dict) else {}
+    moe = model.get("moe") if isinstance(model.get("moe"), dict) else {}
+    balance = moe.get("load_balance") or "aux_loss"
+    experts, ep = moe.get("experts"), ev.setting("parallel", "ep", 1)
+    advice = []
+    if balance == "aux_loss":
+        coeff = moe.get("aux_loss_coeff")
+        coeff = coeff if isinstance(coeff, int | float) else 0.01
+        advice.append(
+            f"balance the router harder: a larger model.moe.aux_loss_coeff (now {coeff:g}; "
+            f"try {10 * coeff:g}), or model.moe.load_balance: bias (DeepSeek-V3's per-expert "
+            "routing bias, no loss term)"
+        )
+    elif balance == "bias":
+        rate = moe.get("bias_update_rate")
+        now = f" (now {rate:g})" if isinstance(rate, int | float) else ""
+        advice.append(
+            f"let the routing bias correct hot experts faster: a larger "
+            f"model.moe.bias_update_rate{now}, or load_balance: aux_loss with a larger "
+            "aux_loss_coeff"
+        )
+    else:
+        advice.append(
+            "balance the router: model.moe.load_balance: aux_loss (with aux_loss_coeff, "
+            "e.g. 0.01) or bias (DeepSeek-V3's per-expert routing bias)"
+        )
+    cf = moe.get("capacity_factor")
+    if cf is None:
+        advice.append(
+            "cap each expert's tokens: model.moe.capacity_factor (e.g. 1.25) drops what a "
+            "hot expert gets beyond its capacity instead of making its rank wait (watch "
+            "dropped_fraction in metrics.jsonl's moe section)"
+        )
+    else:
+        advice.append(
+            f"a lower model.moe.capacity_factor (now {cf:g}) caps the hot expert harder, at "
+            "the cost of more dropped tokens"
+        )
+    if isinstance(experts, int) and isinstance(ep, int) and ep < experts:
+        advice.append(
+            f"more expert parallelism (parallel.ep, now {ep}; up to model.moe.experts="
+            f"{experts}): fewer experts per rank, so the rank of a hot expert has less "
+            "other expert work"
+        )
+    advice.append(
+        "which experts are hot: report.html's Mixture of experts section, metrics.jsonl's "
+        "moe.tokens_per_expert"
+    )
+    return advice
 
 
 # --- the result ------------------------------------------------------------------------

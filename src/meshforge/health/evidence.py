@@ -8,6 +8,8 @@
   (health/diagnosis.json, or `failure` in report.json; launch/local.py);
 - report.json (status, hosts, stragglers, a stop, restarts) and config.yaml (the
   timeouts and the flight record's period);
+- when report.json names stragglers: why, where the metrics rows say
+  (`straggler_causes`, e.g. a rank whose experts got most of the routed tokens);
 - for a run that looks live: whether anything holds its run directory (RUN_DIR/.lock,
   runtime/runlock.py; nothing does once its launcher and workers are gone) and the
   step of the newest metrics.jsonl row.
@@ -154,6 +156,8 @@ class Evidence:
     # the step of the newest metrics row (it may be ahead of the flight records)
     held: bool | None = None
     logged_step: int | None = None
+    # rank -> why the metrics rows say it straggled (read when report.json names one)
+    straggler_causes: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def setting(self, section: str, key: str, default: Any) -> Any:
         value = (self.config.get(section) or {}).get(key)
@@ -184,6 +188,44 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def straggler_causes(metrics: Path) -> dict[int, dict[str, Any]]:
+    """Rank -> why the metrics rows say it straggled: {"cause": the newest row's text,
+    "intervals": logged intervals that gave a cause, "named": intervals that named it a
+    straggler, "steps": [first, last] step with a cause}. Read line by line (a long run's
+    file is large); a line that is not a JSON object is skipped."""
+    causes: dict[int, dict[str, Any]] = {}
+    named: dict[int, int] = {}
+    try:
+        with open(metrics, "rb") as f:
+            for line in f:
+                if b"straggler" not in line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(row, dict):
+                    continue
+                for rank in row.get("stragglers") or []:
+                    if isinstance(rank, int):
+                        named[rank] = named.get(rank, 0) + 1
+                found = row.get("straggler_causes")
+                for key, cause in found.items() if isinstance(found, dict) else ():
+                    if not str(key).isdigit() or not isinstance(cause, str):
+                        continue
+                    entry = causes.setdefault(int(key), {"intervals": 0, "steps": [None, None]})
+                    entry["cause"] = cause
+                    entry["intervals"] += 1
+                    step = row.get("step")
+                    if isinstance(step, int):
+                        entry["steps"] = [entry["steps"][0] or step, step]
+    except OSError:
+        return {}
+    for rank, entry in causes.items():
+        entry["named"] = max(named.get(rank, 0), entry["intervals"])
+    return causes
 
 
 def collect(
@@ -246,6 +288,8 @@ def collect(
     world = max((r.flight.get("world_size") or 0 for r in ranks.values()), default=0)
     missing = [k for k in range(world) if k not in ranks]
     ev = Evidence(run_dir, ranks, config, report, agent, stopped_by, now, live, missing)
+    if (report or {}).get("stragglers"):
+        ev.straggler_causes = straggler_causes(run_dir / "metrics.jsonl")
     if live and agent_failures is None:  # not the launcher (which holds the directory)
         from meshforge.runtime.runlock import is_held
 

@@ -236,6 +236,28 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def moe_summary_text(moe: dict[str, Any]) -> str:
+    """report.json's `moe` section in a line: the worst layer's max/mean expert load over
+    the run, the dropped fraction and the last auxiliary loss."""
+    worst = _num(moe, "max_load")
+    layers, balance = moe.get("layers"), moe.get("load_max_over_mean")
+    where = ""
+    if isinstance(layers, list) and isinstance(balance, list) and worst in balance:
+        index = balance.index(worst)
+        where = f" (layer {layers[index]})" if index < len(layers) else ""
+    aux = _num(moe, "aux_loss")
+    return (
+        "max/mean load " + ("n/a" if worst is None else f"{worst:.2f}{where}")
+        + f", dropped {format_percent(_num(moe, 'dropped_fraction'))}"
+        + (f", aux loss {aux:.4f}" if aux is not None else "")
+    )  # fmt: skip
+
+
+def _moe_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    moe = report.get("moe")
+    return [("experts", moe_summary_text(moe))] if isinstance(moe, dict) else []
+
+
 def _steps_text(report: dict[str, Any]) -> str:
     """The job's steps; for a stopped run the step it stopped after, of those."""
     steps = report.get("steps", "n/a")
@@ -271,6 +293,7 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
             "peak memory per rank",
             "\n".join(f"rank {r}: {format_bytes(v)}" for r, v in peaks) or "n/a",
         ),
+        *_moe_rows(report),
         ("resumed from step", "no" if resumed is None else str(resumed)),
         *_segments_rows(report),
     ]

@@ -10,7 +10,11 @@ RUN_DIR/report.json (absent while the run runs), metrics.jsonl (the latest row o
 each step: a resumed run's later segment replaces the rows it trained again),
 config.yaml, and system/*.jsonl (one file per node). Plots, by figure id: plot-loss,
 plot-throughput, plot-memory, plot-breakdown, plot-network, plot-step-time, drawn by
-report/svg.py.
+report/svg.py. A mixture-of-experts run (report.json's or the rows' `moe` section) adds
+a "Mixture of experts" section: its routing settings and hottest experts, and the plots
+plot-moe-tokens (tokens per expert per layer over the run, a heatmap), plot-moe-load
+(max/mean expert load of each layer by step) and plot-moe-drops (dropped fraction and
+auxiliary loss by step).
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ import yaml
 
 from meshforge.errors import ConfigError, DataError, MeshforgeError
 from meshforge.fileio import write_text_atomic
-from meshforge.observe.console import segment_text
+from meshforge.observe.console import moe_summary_text, segment_text
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
 from meshforge.redact import redact_text
-from meshforge.report.svg import Line, bar_chart, line_chart, stack_chart, tick
+from meshforge.report.svg import Line, bar_chart, heatmap, line_chart, stack_chart, tick
 from meshforge.rundir.records import read_jsonl
 from meshforge.rundir.report import read_report, report_path
 from meshforge.units import format_bytes, format_duration, format_percent
@@ -487,7 +491,7 @@ def _plot_step_time(runs: list[Run]) -> Plot:
 
 
 def _figure(plot: Plot) -> str:
-    title, caption, why = PLOTS[plot.id]
+    title, caption, why = {**PLOTS, **MOE_PLOTS}[plot.id]
     body = "".join(plot.svgs) or f'<p class="nodata">no data recorded: {_esc(why)}</p>'
     notes = "".join(f'<br><span class="note">{_esc(n)}</span>' for n in plot.notes)
     return (
@@ -549,6 +553,10 @@ def headline(run: Run, costs: Tco | None = None) -> list[tuple[str, float | None
         ("validation loss", val, "n/a" if val is None else f"{val:.4f}"),
         ("wall time", wall, _seconds(wall) if (wall or 0) < 60 else format_duration(wall)),
     ]
+    moe = _moe(run)
+    if moe is not None:
+        worst = _number(moe.get("max_load"))
+        items.append(("expert load max/mean (worst layer)", worst, moe_summary_text(moe)))
     return items + (_cost_items(run, costs) if costs is not None else [])
 
 
@@ -703,6 +711,262 @@ def _run_section(i: int, runs: list[Run]) -> str:
     )
 
 
+# ---------------------------------------------------------------- mixture of experts
+
+MOE_PLOTS = {  # id: (title, what it shows, why it may have nothing to show)
+    "plot-moe-tokens": (
+        "Tokens per expert",
+        "The routed token assignments each expert of each MoE layer got over the run "
+        "(summed over the data-parallel ranks; each token counts top_k times), shaded from "
+        "the least (white) to the most loaded (dark blue). An even row is a balanced "
+        "layer; a dark cell is a hot expert.",
+        "no tokens_per_expert in report.json nor in the rows' moe section",
+    ),
+    "plot-moe-load": (
+        "Expert load (max/mean)",
+        "Each MoE layer's busiest expert over the mean expert, by logged interval (1.0: "
+        "perfectly balanced). The busiest expert sets the pace of its expert-parallel group.",
+        "no load_max_over_mean in the rows' moe section",
+    ),
+    "plot-moe-drops": (
+        "Dropped tokens and auxiliary loss",
+        "The share of routed token assignments dropped by the capacity factor (0 when "
+        "routing is dropless), and the load-balancing auxiliary loss (load_balance aux_loss; "
+        "1.0 is balanced), by logged interval.",
+        "no moe section in metrics.jsonl",
+    ),
+}
+
+
+def _ints(value: Any) -> list[int] | None:
+    if not isinstance(value, list) or not value:
+        return None
+    numbers = [_number(v) for v in value]
+    return None if any(n is None for n in numbers) else [int(n) for n in numbers]
+
+
+def _moe(run: Run) -> dict[str, Any] | None:
+    """The run's `moe` section: report.json's, else one summed from the rows (running)."""
+    if isinstance(run.report.get("moe"), dict):
+        return run.report["moe"]
+    totals: dict[int, list[int]] = {}
+    dropped, aux = 0, None
+    for row in run.rows:
+        section = row.get("moe")
+        if not isinstance(section, dict):
+            continue
+        for layer, tokens in zip(
+            _list(section.get("layers")), _list(section.get("tokens_per_expert")), strict=False
+        ):
+            if (counts := _ints(tokens)) is not None and _number(layer) is not None:
+                acc = totals.setdefault(int(layer), [0] * len(counts))
+                totals[int(layer)] = [a + c for a, c in zip(acc, counts, strict=False)]
+        dropped += int(_number(section.get("dropped")) or 0)
+        aux = _first(_scalar(section.get("aux_loss")), aux)
+    if not totals:
+        return None
+    model = run.config.get("model") if isinstance(run.config.get("model"), dict) else {}
+    settings = model.get("moe") if isinstance(model.get("moe"), dict) else {}
+    parallel = run.config.get("parallel") if isinstance(run.config.get("parallel"), dict) else {}
+    layers = sorted(totals)
+    tokens = [totals[k] for k in layers]
+    balance = [max(t) / (sum(t) / len(t)) if sum(t) else 0.0 for t in tokens]
+    assigned = sum(sum(t) for t in tokens)
+    return {
+        **{k: settings.get(k) for k in ("experts", "top_k", "router", "load_balance")},
+        "ep": parallel.get("ep"),
+        "capacity_factor": settings.get("capacity_factor"),
+        "layers": layers,
+        "tokens_per_expert": tokens,
+        "load_max_over_mean": [round(b, 4) for b in balance],
+        "max_load": round(max(balance), 4),
+        "dropped": dropped,
+        "dropped_fraction": dropped / assigned if assigned else 0.0,
+        "aux_loss": aux,
+    }
+
+
+def _moe_grid(moe: dict[str, Any]) -> tuple[list[int], list[list[int]]]:
+    """(layers, tokens per expert of each) of a `moe` section, the unreadable left out."""
+    layers, grid = [], []
+    for layer, tokens in zip(
+        _list(moe.get("layers")), _list(moe.get("tokens_per_expert")), strict=False
+    ):
+        if (counts := _ints(tokens)) is not None and _number(layer) is not None:
+            layers.append(int(layer))
+            grid.append(counts)
+    return layers, grid
+
+
+def hottest_experts(moe: dict[str, Any], limit: int = 3) -> list[str]:
+    """The hottest expert of each layer, hottest first: "expert 3 of layer 1: 1.62x the
+    layer's mean (on ep rank 1)"."""
+    ep = int(_number(moe.get("ep")) or 1)
+    found = []
+    for layer, tokens in zip(*_moe_grid(moe), strict=True):
+        mean = sum(tokens) / len(tokens)
+        if not mean:
+            continue
+        expert = max(range(len(tokens)), key=tokens.__getitem__)
+        where = f" (on ep rank {expert // max(1, len(tokens) // ep)})" if ep > 1 else ""
+        found.append((tokens[expert] / mean, layer, expert, where))
+    found.sort(key=lambda f: (-f[0], f[1]))
+    return [
+        f"expert {e} of layer {layer}: {ratio:.2f}x the layer's mean{where}"
+        for ratio, layer, e, where in found[:limit]
+    ]
+
+
+def _moe_rows(run: Run) -> list[dict[str, Any]]:
+    return [r for r in run.rows if isinstance(r.get("moe"), dict)]
+
+
+def _moe_tokens_plot(runs: list[Run], sections: list[dict[str, Any] | None]) -> Plot:
+    svgs = []
+    for i, (run, moe) in enumerate(zip(runs, sections, strict=True)):
+        if moe is None:
+            continue
+        layers, grid = _moe_grid(moe)
+        experts = max((len(t) for t in grid), default=0)
+        if not experts:
+            continue
+        grid = [t + [0] * (experts - len(t)) for t in grid]
+
+        def hover(r: int, e: int, value: float, grid=grid, layers=layers) -> str:
+            mean = sum(grid[r]) / len(grid[r]) or 1.0
+            return (
+                f"layer {layers[r]}, expert {e}: {value:,.0f} tokens "
+                f"({value / mean:.2f}x the layer's mean)"
+            )
+
+        title = f"{_tag(i, runs)}{run.name}" if len(runs) > 1 else None
+        svgs.append(
+            heatmap(
+                [f"layer {k}" for k in layers],
+                [str(e) for e in range(experts)],
+                grid,
+                "expert",
+                "MoE layer",
+                title=title,
+                hover=hover,
+                legend="tokens:",
+            )
+        )
+    return _plot("plot-moe-tokens", *svgs)
+
+
+def _moe_load_plot(runs: list[Run]) -> Plot:
+    lines: list[Line] = []
+    steps: list[float] = []
+    for i, run in enumerate(runs):
+        per_layer: dict[int, tuple[list, list]] = {}
+        worst: tuple[list, list] = ([], [])
+        for row in _moe_rows(run):
+            section = row["moe"]
+            for layer, value in zip(
+                _list(section.get("layers")), _list(section.get("load_max_over_mean")), strict=False
+            ):
+                if (v := _number(value)) is not None and _number(layer) is not None:
+                    xs, ys = per_layer.setdefault(int(layer), ([], []))
+                    xs.append(row["step"])
+                    ys.append(v)
+            if (v := _number(section.get("max_load"))) is not None:
+                worst[0].append(row["step"])
+                worst[1].append(v)
+        steps += worst[0] + [x for xs, _ in per_layer.values() for x in xs]
+        tag = _tag(i, runs)
+        if per_layer and len(per_layer) <= 8:
+            for k, layer in enumerate(sorted(per_layer)):
+                color = _color(i, runs, k, len(per_layer))
+                lines.append(Line(f"{tag}layer {layer}", *per_layer[layer], color))
+        else:  # many layers: the worst of each interval
+            lines.append(Line(f"{tag}worst layer", *worst, _color(i, runs)))
+    if steps:
+        lines.append(Line("balanced", [min(steps), max(steps)], [1.0, 1.0], "#8c8c8c", dashed=True))
+    svg = line_chart(lines, "step", "max / mean tokens per expert", zero=True)
+    return _plot("plot-moe-load", svg)
+
+
+def _moe_drops_plot(runs: list[Run], sections: list[dict[str, Any] | None]) -> Plot:
+    drops, aux, notes = [], [], []
+    for i, run in enumerate(runs):
+        rows = _moe_rows(run)
+        tag, color = _tag(i, runs), _color(i, runs)
+        dropped = [(r["step"], _scalar(r["moe"].get("dropped_fraction"))) for r in rows]
+        dropped = [(x, 100.0 * y) for x, y in dropped if y is not None]
+        losses = [(r["step"], _scalar(r["moe"].get("aux_loss"))) for r in rows]
+        losses = [(x, y) for x, y in losses if y is not None]
+        drops.append(Line(f"{tag}dropped", [x for x, _ in dropped], [y for _, y in dropped], color))
+        aux.append(Line(f"{tag}aux loss", [x for x, _ in losses], [y for _, y in losses], color))
+        moe = sections[i] or {}
+        if rows and not losses:
+            notes.append(
+                f"{tag}{run.name}: no auxiliary loss (load_balance "
+                f"{moe.get('load_balance') or 'is not aux_loss'})"
+            )
+    drop_svg = line_chart(
+        drops, "step", "dropped (% of routed tokens)", title="dropped tokens", zero=True
+    )
+    aux_svg = line_chart(aux, "step", "aux loss", title="load-balancing auxiliary loss")
+    return _plot("plot-moe-drops", drop_svg, aux_svg, notes=notes)
+
+
+def _moe_plots(runs: list[Run]) -> list[Plot]:
+    """The section's plots; none when no run is a mixture of experts."""
+    sections = [_moe(run) for run in runs]
+    if not any(sections) and not any(_moe_rows(run) for run in runs):
+        return []
+    return [
+        _moe_tokens_plot(runs, sections),
+        _moe_load_plot(runs),
+        _moe_drops_plot(runs, sections),
+    ]
+
+
+def _moe_facts(run: Run, moe: dict[str, Any]) -> list[list[str]]:
+    cf = moe.get("capacity_factor")
+    settings = (
+        f"{moe.get('experts', 'n/a')} experts, top-{moe.get('top_k', 'n/a')}, "
+        f"{moe.get('router') or 'n/a'} router, ep {moe.get('ep') or 1}, load_balance "
+        f"{moe.get('load_balance') or 'n/a'}, "
+        + (f"capacity factor {cf}" if cf is not None else "dropless (no capacity factor)")
+    )
+    hot = hottest_experts(moe)
+    rows = [
+        ["routing", settings],
+        [
+            "over the run",
+            moe_summary_text(moe)
+            + f" ({int(_number(moe.get('dropped')) or 0):,} token assignments dropped)",
+        ],
+        ["hottest experts", "; ".join(hot) if hot else "n/a"],
+    ]
+    causes: dict[str, str] = {}
+    for row in run.rows:
+        found = row.get("straggler_causes")
+        if isinstance(found, dict):
+            causes.update({str(k): str(v) for k, v in found.items()})
+    rows += [[f"straggler rank {rank}", cause] for rank, cause in sorted(causes.items())]
+    return rows
+
+
+def _moe_section(runs: list[Run], plots: list[Plot]) -> str:
+    if not plots:
+        return ""
+    parts = []
+    for i, run in enumerate(runs):
+        moe = _moe(run)
+        label = f"<h3>{_esc(_run_label(i, runs))}</h3>" if len(runs) > 1 else ""
+        if moe is None:
+            parts.append(f'{label}<p class="nodata">not a mixture-of-experts run</p>')
+            continue
+        parts.append(label + _table(None, _moe_facts(run, moe), numeric_from=9))
+    return (
+        f'<section id="moe"><h2>Mixture of experts</h2>{"".join(parts)}'
+        f"{''.join(_figure(p) for p in plots)}</section>"
+    )
+
+
 # ---------------------------------------------------------------- the page
 
 STYLE = """
@@ -753,7 +1017,10 @@ def build_html(run_dirs: Sequence[str | Path], cluster: str | Path | None = None
         title = f"meshforge report: {runs[0].name}"
     else:
         title = f"meshforge comparison: {_run_label(0, runs)} vs {_run_label(1, runs)}"
+    moe_plots = _moe_plots(runs)
     nav = " ".join(f'<a href="#{p.id}">{_esc(PLOTS[p.id][0])}</a>' for p in plots)
+    if moe_plots:
+        nav += ' <a href="#moe">Mixture of experts</a>'
     layouts = [_layout(run) for run in runs]
     keys = list(dict.fromkeys(k for layout in layouts for k in layout))
     layout = _table(
@@ -774,6 +1041,7 @@ def build_html(run_dirs: Sequence[str | Path], cluster: str | Path | None = None
         f"<h2>Layout</h2>{layout if keys else '<p class=nodata>no layout recorded</p>'}"
         f"{''.join(_run_section(i, runs) for i in range(len(runs)))}"
         f"<h2>Plots</h2>{''.join(_figure(p) for p in plots)}"
+        f"{_moe_section(runs, moe_plots)}"
         "</body></html>\n"
     )
 

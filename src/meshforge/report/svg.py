@@ -242,3 +242,93 @@ def stack_chart(
         )
         base = upper
     return _svg(parts, top + PLOT_H + BOTTOM, title or y_label)
+
+
+_HEAT_LOW, _HEAT_HIGH = (0xF7, 0xFB, 0xFF), (0x08, 0x30, 0x6B)  # white to dark blue
+
+
+def _heat(fraction: float) -> str:
+    f = min(1.0, max(0.0, fraction))
+    return "#" + "".join(
+        f"{round(lo + (hi - lo) * f):02x}" for lo, hi in zip(_HEAT_LOW, _HEAT_HIGH, strict=True)
+    )
+
+
+def _every(n: int, most: int) -> int:
+    """Label every k-th of n categories so that at most `most` labels are drawn."""
+    return max(1, math.ceil(n / most))
+
+
+def heatmap(
+    rows: list[str],
+    columns: list[str],
+    values: list[list[float]],
+    x_label: str,
+    y_label: str,
+    *,
+    title: str | None = None,
+    hover: Callable[[int, int, float], str] | None = None,
+    legend: str = "",
+) -> str | None:
+    """A grid of cells (row i, column j) shaded from white (the smallest value) to dark
+    blue (the largest), with the value in the cell where it fits and a hover read-out (`hover(i, j,
+    value)`, default "row, column: value"). Rows are drawn top-down in the given order."""
+    if not rows or not columns or not any(values):
+        return None
+    low = min((v for row in values for v in row), default=0)
+    high = max((v for row in values for v in row), default=0)
+    span = (high - low) or 1.0
+    parts, top = _header(title, [])
+    top += 14  # the colour scale's line
+    cell_h = max(4.0, min(28.0, PLOT_H / len(rows)))
+    right = W - RIGHT
+    cell_w = (right - LEFT) / len(columns)
+    bottom = top + cell_h * len(rows)
+    first = f"{legend} {tick(low)}".strip()
+    scale_parts = [f'<text x="{LEFT}" y="{top - 6}">{_esc(first)}</text>']
+    x = LEFT + 9 + 6.6 * len(first)
+    for k in range(10):
+        scale_parts.append(
+            f'<path d="M{x + 14 * k:.0f},{top - 16}h14v12h-14Z" fill="{_heat(k / 9)}"/>'
+        )
+    scale_parts.append(f'<text x="{x + 146:.0f}" y="{top - 6}">{_esc(tick(high))}</text>')
+    parts += scale_parts
+    row_every, column_every = _every(len(rows), 24), _every(len(columns), 32)
+    small = cell_w < 30 or cell_h < 14
+    for i, row in enumerate(rows):
+        y = top + i * cell_h
+        if i % row_every == 0:
+            parts.append(
+                f'<text x="{LEFT - 6}" y="{y + cell_h / 2 + 4:.1f}" text-anchor="end">'
+                f"{_esc(row)}</text>"
+            )
+        for j, value in enumerate(values[i][: len(columns)]):
+            x = LEFT + j * cell_w
+            shade = (value - low) / span
+            text = hover(i, j, value) if hover else f"{row}, {columns[j]}: {tick(value)}"
+            parts.append(
+                # a 1-pixel gap between cells (no stroke: a stroked data path is unfilled)
+                f'<path class="data" d="M{x:.1f},{y:.1f}h{cell_w - 1:.1f}v{cell_h - 1:.1f}'
+                f'h{1 - cell_w:.1f}Z" fill="{_heat(shade)}">'
+                f"<title>{_esc(text)}</title></path>"
+            )
+            if not small:
+                ink = "#fff" if shade > 0.55 else "#222"
+                parts.append(
+                    f'<text x="{x + cell_w / 2:.1f}" y="{y + cell_h / 2 + 4:.1f}" '
+                    f'text-anchor="middle" style="fill:{ink}">{_esc(tick(value))}</text>'
+                )
+    for j, column in enumerate(columns):
+        if j % column_every == 0:
+            parts.append(
+                f'<text x="{LEFT + (j + 0.5) * cell_w:.1f}" y="{bottom + 15:.1f}" '
+                f'text-anchor="middle">{_esc(column)}</text>'
+            )
+    parts.append(
+        f'<path class="axis" d="M{LEFT},{top}V{bottom:.1f}H{right}"/>'
+        f'<text x="{(LEFT + right) / 2}" y="{bottom + 34:.1f}" text-anchor="middle">'
+        f"{_esc(x_label)}</text>"
+        f'<text transform="translate(16,{(top + bottom) / 2:.1f}) rotate(-90)" '
+        f'text-anchor="middle">{_esc(y_label)}</text>'
+    )
+    return _svg(parts, bottom + BOTTOM, title or y_label)

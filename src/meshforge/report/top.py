@@ -5,6 +5,8 @@ Nothing here connects to the job; each frame is what the run directory says now:
 - a header: the run's name and status, the step out of the job's steps, and the
   newest metrics.jsonl row's loss, tokens/s and MFU, with an ETA from the pace of the
   last rows (only the file's tail is read: it grows with the run);
+- for a mixture-of-experts run, a line from the newest row's `moe` section: the worst
+  layer's max/mean expert load, the dropped fraction and the auxiliary loss;
 - one line per rank from health/flight-rank-K.json (observe/flight.py): host, step,
   phase and how long it had been in it when it wrote the record, step time, memory,
   status and the age of the record. While the run is running, a running rank whose
@@ -45,6 +47,7 @@ from typing import Any, TextIO
 import yaml
 
 from meshforge.errors import DataError
+from meshforge.observe.console import moe_summary_text
 from meshforge.rundir.records import tail_rows
 from meshforge.rundir.report import read_report_or_none, report_path
 from meshforge.runtime import runlock
@@ -169,6 +172,7 @@ class RunView:
     eta_s: float | None
     stale_after_s: float
     note: str | None = None  # why a run failed or stopped
+    moe: dict[str, Any] | None = None  # the newest row's moe section (and its step)
     ranks: list[RankLine] = field(default_factory=list)
     hosts: list[HostLine] = field(default_factory=list)
 
@@ -296,6 +300,11 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         per_step = _seconds_per_step(trailing)
         eta_s = None if per_step is None else max(0, total - step) * per_step
 
+    moe = next(
+        ({**r["moe"], "step": r.get("step")} for r in reversed(trailing or rows)
+         if isinstance(r.get("moe"), dict)),
+        None,
+    )  # fmt: skip
     name = config.get("name") or (report or {}).get("name") or run_dir.resolve().name
     if report is not None and status in FINAL_STATUSES and _num(report.get("tokens_per_s")):
         # a finished run: its medians (report.json), not the last interval's figures
@@ -313,6 +322,7 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         eta_s=eta_s,
         stale_after_s=stale_after_s,
         note=_report_note(report) if report is not None else None,
+        moe=moe,
         ranks=ranks,
         hosts=_host_lines(run_dir / "system", now),
     )
@@ -468,6 +478,13 @@ def _progress(view: RunView) -> str:
     return text
 
 
+def moe_line(moe: dict[str, Any]) -> str:
+    """`experts: max/mean load 1.31 (layer 1), dropped 0.0%, aux loss 1.0207 (step 10)`:
+    a row's moe section, its worst layer's balance first."""
+    step = _num(moe.get("step"))
+    return "experts: " + moe_summary_text(moe) + ("" if step is None else f" (step {int(step)})")
+
+
 def format_frame(view: RunView, width: int = 100) -> str:
     """One frame of `meshforge top` as plain text, each line at most `width` columns."""
     clock = time.strftime("%H:%M:%S", time.localtime(view.now))
@@ -490,6 +507,8 @@ def format_frame(view: RunView, width: int = 100) -> str:
         f"status {view.status}   {_progress(view)}   ETA {eta}",
         "   ".join(metrics),
     ]
+    if view.moe is not None:
+        lines.append(moe_line(view.moe))
     if view.note:
         lines.append(view.note)
     lines.append("")
