@@ -76,8 +76,13 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         lines.append(
             f"rank {w['rank']} (seq {_cell(w['seq'])}, in {where}) waited for rank {their}"
         )
+    causes = d["evidence"].get("straggler_causes") or {}
     for s in d["evidence"]["stragglers"]:
-        lines.append(f"straggler: rank {s['rank']} on {s.get('host')}: {s['slowdown']:.2f}x")
+        cause = (causes.get(str(s["rank"])) or {}).get("cause")
+        lines.append(
+            f"straggler: rank {s['rank']} on {s.get('host')}: {s['slowdown']:.2f}x"
+            + (f" ({cause})" if cause else "")
+        )
     for r in d["evidence"]["restarts"]:
         redone = r.get("steps_redone")
         lines.append(
