@@ -129,7 +129,7 @@ def test_bad_input_exits_2_with_one_line_naming_it(args, words):
 
 # -- a job file: --config ---------------------------------------------------------------------
 
-LAYOUT_FIELDS = ("dp", "tp", "pp", "zero", "micro_batch", "virtual_stages", "recompute",
+LAYOUT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "micro_batch", "virtual_stages", "recompute",
                  "sequence_parallel")  # fmt: skip
 RESULT_KEYS = ("layout", "step_time_s", "memory_per_gpu_bytes", "model_params", "training",
                "fits", "mfu")  # fmt: skip
