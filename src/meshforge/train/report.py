@@ -206,6 +206,8 @@ def build_report(
     }
     moe = moe_summary(cfg, summary.dims, history["rows"])
     if moe is not None:
+        # the parameters one token passes through: what flops_per_token counts
+        moe["active_params"] = summary.params.active_or_total
         report["moe"] = moe
     report["restarts"] = restarts_of_this_run(summary.run_dir)
     # written last but one: report_at is as close to the write as it can be
