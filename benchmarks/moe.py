@@ -2,8 +2,9 @@
 MoE's tokens/s against a dense llama with the same active parameters.
 
 1. The same small MoE llama (models/llama.py with models/moe.py's `MoE`), fp32, gloo
-   on 127.0.0.1, meshforge (`meshforge train`, the Engine's AccumulatingStep) and a
-   plain loop alternating in one run, for
+   on 127.0.0.1, meshforge (`Engine.build` and its AccumulatingStep, driven as
+   tests/layouts.py's train_layout does: the step, not the trainer's logging around
+   it) and a plain loop alternating in one run, for
 
      ep1   world 1, every expert on the one rank
      ep2   world 2, parallel.ep=2: half of each layer's experts per rank
