@@ -159,6 +159,8 @@ def check(
     out += _degree_rules(req, n) if shape.factory is None else []
     if shape.factory is None:
         out += _stage_rules(req, shape, n)
+    if req.ep > 1 and shape.experts and shape.experts % req.ep:  # any trainer's rule
+        out.append(f"{n.show('ep', req.ep)} does not divide {n.show('experts', shape.experts)}")
     if trainer:
         out += _trainer_rules(req, shape, n)
         out += _expert_rules(req, shape, n)
@@ -352,8 +354,6 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
         return out + [
             f"{n.show('ep', ep)} needs a mixture-of-experts model (model.moe), not {what}"
         ]
-    if shape.experts % ep:
-        out.append(f"{n.show('ep', ep)} does not divide {n.show('experts', shape.experts)}")
     if req.servers is not None:
         out.append(
             f"{n.show('ep', ep)} with {n.show('mode', 'parameter_server')} is not supported "

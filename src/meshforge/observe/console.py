@@ -189,6 +189,8 @@ def segment_text(segment: dict[str, Any]) -> str:
     steps = f"steps {begun + 1}-{last}" if last > begun else f"no step (at step {last})"
     layout = segment.get("layout") if isinstance(segment.get("layout"), dict) else {}
     dims = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "zero") if k in layout)
+    if (layout.get("ep") or 1) > 1:
+        dims += f" ep={layout['ep']}"
     world = segment.get("world_size")
     ranks = f" on {world} rank{'' if world == 1 else 's'}" if world is not None else ""
     why = str(segment.get("ended") or "unknown")

@@ -26,7 +26,7 @@ def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dic
         return None
     totals: dict[int, list[int]] = {}
     dropped = 0
-    aux = None
+    aux_values: list[float] = []
     for row in rows:
         section = row.get("moe")
         if not isinstance(section, dict):
@@ -37,7 +37,8 @@ def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dic
             acc = totals.setdefault(int(layer), [0] * len(tokens))
             totals[int(layer)] = [a + int(t) for a, t in zip(acc, tokens, strict=False)]
         dropped += int(section.get("dropped", 0))
-        aux = section.get("aux_loss", aux)
+        if isinstance(section.get("aux_loss"), int | float):
+            aux_values.append(float(section["aux_loss"]))
     layers = sorted(totals)
     tokens = [totals[i] for i in layers]
     balance = [max_over_mean(t) for t in tokens]
@@ -55,7 +56,8 @@ def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dic
         "max_load": round(max(balance), 4) if balance else None,
         "dropped": dropped,
         "dropped_fraction": dropped / assigned if assigned else 0.0,
-        "aux_loss": aux,
+        # the mean over the logged intervals (each a mean over its micro-batches)
+        "aux_loss": sum(aux_values) / len(aux_values) if aux_values else None,
     }
 
 
