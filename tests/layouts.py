@@ -33,6 +33,17 @@ def job(parallel: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str, rel: float):
+    """Every step of `ref` in `got`, within `rel` (relative)."""
+    import pytest
+
+    assert sorted(got) == sorted(ref), what
+    for step in sorted(ref):
+        assert got[step] == pytest.approx(ref[step], rel=rel), (
+            f"{what} step {step}: {got[step]} vs world-1 {ref[step]}"
+        )
+
+
 def _tokens(source: str):
     if source not in _TOKENS:  # the workers live for the session: load the corpus once
         from meshforge.data.corpus import load_tokens

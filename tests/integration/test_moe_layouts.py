@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from layouts import assert_same_losses
+
 STEPS = 20
 RTOL = 1e-4
 
@@ -50,14 +52,6 @@ def reference(gloo) -> dict[str, Any]:
     return out
 
 
-def _assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str, rel: float):
-    assert sorted(got) == sorted(ref), what
-    for step in sorted(ref):
-        assert got[step] == pytest.approx(ref[step], rel=rel), (
-            f"{what} step {step}: {got[step]} vs world-1 {ref[step]}"
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[entry[0] for entry in LAYOUTS])
 def test_every_expert_layout_matches_world_1_step_by_step(gloo, reference, layout):
@@ -65,7 +59,7 @@ def test_every_expert_layout_matches_world_1_step_by_step(gloo, reference, layou
     results = gloo.run(world, train_with_load, moe_job(parallel), STEPS)
     assert results[0]["layout"]["ep"] == parallel["ep"]
     for rank, out in enumerate(results):
-        _assert_same_losses(out["losses"], reference["losses"], f"{name} rank {rank}", RTOL)
+        assert_same_losses(out["losses"], reference["losses"], f"{name} rank {rank}", RTOL)
     # each rank holds 1/ep of the experts, and ZeRO-3 shards them over edp too
     zero3 = parallel.get("zero") == 3
     share = (
@@ -79,7 +73,7 @@ def test_every_expert_layout_matches_world_1_step_by_step(gloo, reference, layou
     )
     assert results[0]["expert_share"] == pytest.approx(share), name
     # the gradient norm (AdamW would hide a wrongly scaled gradient from the losses)
-    _assert_same_losses(results[0]["grad_norm"], reference["grad_norm"], f"{name} grad norm", RTOL)
+    assert_same_losses(results[0]["grad_norm"], reference["grad_norm"], f"{name} grad norm", RTOL)
 
 
 def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -156,7 +150,7 @@ def test_a_capacity_factor_drops_tokens_and_ep2_matches_world_1(gloo):
     capped = {"capacity_factor": 0.5}  # each expert takes half its even share
     (ref,) = gloo.run(1, train_with_load, moe_job({}, **capped), 6)
     ep2 = gloo.run(2, train_with_load, moe_job({"ep": 2}, **capped), 6)[0]
-    _assert_same_losses(ep2["losses"], ref["losses"], "ep2 with capacity", RTOL)
+    assert_same_losses(ep2["losses"], ref["losses"], "ep2 with capacity", RTOL)
     for step, section in ref["moe"].items():
         # routed counts still add up; at least half of them are dropped at c = 0.5
         assert all(sum(t) == TOKENS_PER_STEP * 2 for t in section["tokens_per_expert"])
@@ -170,7 +164,7 @@ def test_bias_balancing_moves_the_same_bias_under_ep2_as_at_world_1(gloo):
     bias = {"load_balance": "bias", "bias_update_rate": 0.01}
     (ref,) = gloo.run(1, train_with_load, moe_job({}, **bias), 10)
     ep2 = gloo.run(2, train_with_load, moe_job({"ep": 2}, **bias), 10)[0]
-    _assert_same_losses(ep2["losses"], ref["losses"], "ep2 with bias balancing", RTOL)
+    assert_same_losses(ep2["losses"], ref["losses"], "ep2 with bias balancing", RTOL)
     assert "aux_loss" not in ref["moe"][10]
     # every layer's bias moved, by the load over both ranks: as world 1's did
     assert sorted(ref["bias"]) == [f"blocks.{i}.mlp.expert_bias" for i in range(4)]

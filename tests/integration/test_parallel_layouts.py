@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from layouts import activation_bytes, build_peak_bytes, digest_at_build, job, train_layout
+from layouts import (
+    activation_bytes,
+    assert_same_losses,
+    build_peak_bytes,
+    digest_at_build,
+    job,
+    train_layout,
+)
 
 STEPS = 20
 RTOL = 1e-4
@@ -41,14 +48,6 @@ def reference(gloo) -> dict[int, float]:
     return losses
 
 
-def _assert_same_losses(got: dict[int, float], ref: dict[int, float], what: str, rel: float):
-    assert sorted(got) == sorted(ref), what
-    for step in sorted(ref):
-        assert got[step] == pytest.approx(ref[step], rel=rel), (
-            f"{what} step {step}: {got[step]} vs world-1 {ref[step]}"
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[entry[0] for entry in LAYOUTS])
 def test_every_layout_matches_world_1_step_by_step(gloo, reference, layout):
@@ -59,7 +58,7 @@ def test_every_layout_matches_world_1_step_by_step(gloo, reference, layout):
     micro_batch = train[0]["micro_batch"] if train else 2
     assert results[0]["microbatches"] == 8 // (layout["dp"] * micro_batch)
     for rank, out in enumerate(results):  # every rank reports the same reduced loss
-        _assert_same_losses(out["losses"], reference, f"{name} rank {rank}", RTOL)
+        assert_same_losses(out["losses"], reference, f"{name} rank {rank}", RTOL)
 
 
 @pytest.mark.slow
@@ -68,7 +67,7 @@ def test_tensor_parallel_keeps_a_tied_output_head_tied(gloo):
     (ref,) = gloo.run(1, train_layout, tied, 10)
     tp2 = job({"tp": 2, "sequence_parallel": True}, model={"tie_embeddings": True})
     out = gloo.run(2, train_layout, tp2, 10)[0]
-    _assert_same_losses(out["losses"], ref["losses"], "tied tp2", RTOL)
+    assert_same_losses(out["losses"], ref["losses"], "tied tp2", RTOL)
     # one Parameter serves both the embedding and the head, under TP as at world 1
     for result in (ref, out):
         assert "embed.tok.weight" in result["param_names"]

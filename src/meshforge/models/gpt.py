@@ -74,6 +74,20 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class SwiGLU(nn.Module):
+    """The Llama family's MLP (and a mixture of experts' shared experts): proj(silu(gate
+    x) * up x), no biases."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTArgs) -> None:
         super().__init__()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.gpt import DecoderLM
+from meshforge.models.gpt import DecoderLM, SwiGLU
 from meshforge.models.moe import MoE, MoEArgs
 
 
@@ -88,17 +88,6 @@ class Attention(nn.Module):
             v = v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(d_model, hidden, bias=False)
-        self.up = nn.Linear(d_model, hidden, bias=False)
-        self.proj = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
 
 
 class LlamaBlock(nn.Module):

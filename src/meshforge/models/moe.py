@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.gpt import SwiGLU
+
 
 @dataclass(frozen=True)
 class MoEArgs:
@@ -150,19 +152,6 @@ def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-class SwiGLUFFN(nn.Module):
-    """The shared experts: one SwiGLU `hidden` wide (shared_experts x expert_ffn)."""
-
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(d_model, hidden, bias=False)
-        self.up = nn.Linear(d_model, hidden, bias=False)
-        self.proj = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
-
-
 class MoE(nn.Module):
     def __init__(self, d_model: int, args: MoEArgs) -> None:
         super().__init__()
@@ -170,7 +159,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, args.experts, bias=False)
         self.experts = GroupedExperts(args.experts, d_model, args.expert_ffn)
         self.shared = (
-            SwiGLUFFN(d_model, args.shared_experts * args.expert_ffn)
+            SwiGLU(d_model, args.shared_experts * args.expert_ffn)  # the shared experts
             if args.shared_experts
             else None
         )
