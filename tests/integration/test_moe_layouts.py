@@ -110,7 +110,10 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
         load.after_step()
         out["moe"][step + 1] = load.interval(torch.device("cpu"))
     experts = [p for n, p in engine.parts.named_parameters() if ".experts." in n]
-    out["expert_share"] = sum(_local(p).numel() for p in experts) / sum(p.numel() for p in experts)
+    # of the whole weights of the layers this rank's stage holds (experts x ffn x d each)
+    m = cfg.model
+    whole = len(experts) * m.moe.experts * m.moe.expert_ffn * m.d_model
+    out["expert_share"] = sum(_local(p).numel() for p in experts) / whole
     out["bias"] = {
         name: buf.tolist()
         for part in engine.parts.modules

@@ -64,6 +64,18 @@ def test_top_k_weights_are_renormalised_and_the_router_runs_in_fp32():
     assert chosen.shape == (7, 2)
 
 
+def test_under_autocast_the_router_stays_fp32_and_the_experts_compute_in_bf16():
+    moe = _layer()
+    x = torch.randn(9, D)
+    plain = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = moe.route(x)
+        y = moe.experts(x[:4], torch.tensor([1, 2, 0, 1]))
+    for a, b in zip(plain, cast, strict=True):  # a bf16 router matmul would not be equal
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert y.dtype == torch.bfloat16
+
+
 def test_routing_counts_add_up_and_a_capacity_drops_the_excess():
     torch.manual_seed(1)
     x = torch.randn(3, 8, D)

@@ -10,7 +10,8 @@ dimension and wraps `GroupedExperts` in an all-to-all that brings each token to 
 rank holding its expert and back. The only thing the experts look at is how many
 experts their weights hold (a DTensor's local shard is read with `to_local`).
 
-Routing, in fp32 whatever the model's dtype:
+Routing, in fp32 whatever the model's dtype (autocast included); the experts compute
+in autocast's dtype where it is on:
 - scores: softmax of the router logits (Mixtral, Qwen3) or their sigmoid (DeepSeek-V3);
 - top-k over the scores (plus a per-expert bias under `load_balance: bias`, which
   steers the choice only), the chosen scores renormalised to sum to 1;
@@ -127,8 +128,11 @@ class GroupedExperts(nn.Module):
         self.proj = ExpertWeight(experts, d_model, ffn)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # weights outside a mixed-precision wrapper stay fp32: compute in x's dtype
-        gate, up, proj = (w.local().to(x.dtype) for w in (self.gate, self.up, self.proj))
+        # in autocast's dtype where it is on (autocast does not reach _grouped_mm), else
+        # in x's: weights outside a mixed-precision wrapper stay fp32
+        dtype = _compute_dtype(x)
+        x = x.to(dtype)
+        gate, up, proj = (w.local().to(dtype) for w in (self.gate, self.up, self.proj))
         if _grouped_mm_applies(x, gate):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs))
@@ -140,6 +144,13 @@ class GroupedExperts(nn.Module):
             start += n
             out.append(F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), proj[e]))
         return torch.cat(out)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -180,7 +191,8 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen experts (T, k), their weights (T, k) in fp32, normalised scores (T, E))."""
         a = self.args
-        logits = F.linear(flat.float(), self.router.weight.float())
+        with torch.autocast(flat.device.type, enabled=False):  # fp32 under autocast too
+            logits = F.linear(flat.float(), self.router.weight.float())
         scores = logits.softmax(dim=-1) if a.router == "softmax" else logits.sigmoid()
         choose = scores if self.expert_bias is None else scores + self.expert_bias.float()
         chosen = choose.topk(a.top_k, dim=-1).indices

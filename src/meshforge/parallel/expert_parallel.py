@@ -15,6 +15,16 @@ layout) and wraps the layer's `GroupedExperts`:
   compute   the local experts, as the model computes them (one grouped GEMM or a loop);
   combine   the reverse: reorder back, all-to-all back to the ranks the tokens came from.
 
+Training works on plain tensors. Once initialised (with world 1's values, through the
+DTensor's global shape), each expert weight not sharded further by FSDP becomes a
+plain parameter holding this rank's experts (`localise_expert_weights`): the experts'
+compute, the gradient reduction and AdamW then run on ordinary tensors, as a
+hand-written loop would, with none of DTensor's per-operation dispatch.
+`LocalExperts` turns them back into DTensors wherever a global view is needed: the
+checkpoint's state dicts (so a checkpoint still reshards to any layout), the gradient
+norm and the parameter digest. Under ZeRO-2/3 with edp > 1 FSDP shards the expert
+DTensors over edp and they stay DTensors.
+
 Gradients. An expert weight's gradient already sums the contributions of every rank
 of the expert group (the all-to-all's backward brings them home); data parallelism
 must then sum it over the `edp` ranks that hold the same experts and divide by dp,
@@ -29,6 +39,7 @@ experts / ep / edp of them), whose reduce-scatter averages over edp, and
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +70,66 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
                 requires_grad=w.requires_grad,
             )
         experts.forward = _Dispatch(experts.forward, ep_mesh.get_group(), ep_mesh.size())
+
+
+class LocalExperts:
+    """The expert weights `localise_expert_weights` made plain: this rank holds rows
+    [rank x n, (rank + 1) x n) of each along its expert dimension, n = experts / ep."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.names: set[str] = set()  # the full model's parameter names
+        self.params: set[nn.Parameter] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def global_view(self, local: torch.Tensor) -> DTensor:
+        """The DTensor whose shard on this rank is `local` (no copy, no communication)."""
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
+
+    def state_to_global(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """A flat model or optimizer state dict (`name` or `state.name.key`) with every
+        expert entry as its DTensor: what a checkpoint saves and loads into."""
+        return {k: self.global_view(v) if self._is_expert(k, v) else v for k, v in sd.items()}
+
+    def state_to_local(self, sd: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: v.to_local() if isinstance(v, DTensor) and self._owner(k) else v
+            for k, v in sd.items()
+        }
+
+    def _owner(self, key: str) -> bool:
+        if key in self.names:
+            return True
+        if key.startswith("state."):
+            return key[len("state.") :].rsplit(".", 1)[0] in self.names
+        return False
+
+    def _is_expert(self, key: str, value: Any) -> bool:
+        # optimizer entries of an expert: its moments (tensors shaped like it), not "step"
+        return (
+            isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.dim() > 0
+            and self._owner(key)
+        )
+
+
+def localise_expert_weights(module: nn.Module, experts: LocalExperts) -> None:
+    """Replace every expert DTensor weight of `module` by a plain parameter holding its
+    local shard (the same storage), recorded in `experts`."""
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, GroupedExperts):
+            continue
+        for attr in ("gate", "up", "proj"):
+            holder = getattr(layer, attr)
+            w = holder.weight
+            if not isinstance(w, DTensor):
+                continue
+            holder.weight = nn.Parameter(w.to_local().detach(), requires_grad=w.requires_grad)
+            experts.names.add(f"{prefix}.{attr}.weight")
+            experts.params.add(holder.weight)
 
 
 class _Dispatch:

@@ -55,9 +55,11 @@ from meshforge.parallel.comm import (
 )
 from meshforge.parallel.expert_parallel import (
     ExpertGradSync,
+    LocalExperts,
     apply_expert_parallel,
     expert_layers,
     expert_parameters,
+    localise_expert_weights,
 )
 
 
@@ -81,6 +83,8 @@ class ModelParts:
     n_params: int = 0  # parameters of the whole model (every stage and shard)
     # expert parallel: the expert weights' gradient reduction (outside the wrappers)
     expert_sync: ExpertGradSync | None = None
+    # expert parallel: the expert weights held as plain tensors of this rank's experts
+    local_experts: LocalExperts | None = None
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -184,6 +188,13 @@ def build_model_parts(
             for unit in blocks or [m]:
                 unit.compile()
     wrapper = _data_parallel_kind(dims)
+    ignored = set(expert_parameters(modules)) if dims.ep_enabled else set()
+    # ZeRO-2/3 with more than one expert group: FSDP shards the expert weights over the
+    # ranks that hold the same experts ("edp") too
+    fsdp_experts = bool(ignored) and wrapper == "fsdp" and dims.edp > 1
+    experts = ExpertSharding(mesh["edp"]) if fsdp_experts else None
+    # otherwise, once initialised, they train as plain tensors of this rank's experts
+    local_experts = LocalExperts(mesh["ep"]) if ignored and not fsdp_experts else None
 
     def materialise(m: nn.Module) -> None:
         if factory:
@@ -192,19 +203,17 @@ def build_model_parts(
             m.to_empty(device=device)
             m.tie_weights()
             m.init_weights(t.seed)
+        if local_experts is not None:
+            localise_expert_weights(m, local_experts)
 
     comm = cfg._parallel().comm
     dtype = cfg.precision.dtype
-    ignored = set(expert_parameters(modules)) if dims.ep_enabled else set()
-    # ZeRO-2/3 with more than one expert group: FSDP shards the expert weights over the
-    # ranks that hold the same experts ("edp") too
-    fsdp_experts = bool(ignored) and wrapper == "fsdp" and dims.edp > 1
-    experts = ExpertSharding(mesh["edp"]) if fsdp_experts else None
     parts = wrap_data_parallel(
         modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise,
         ignored=ignored, experts=experts,
     )  # fmt: skip
     parts.n_params = n_params
+    parts.local_experts = local_experts
     if ignored:
         # FSDP's reduce-scatter averaged the expert weights' gradients over edp (it
         # cannot divide by another factor on gloo: PREMUL_SUM); else all-reduce them
@@ -247,6 +256,8 @@ def wrap_data_parallel(
         mp = mixed_precision(dtype, comm.reduce_dtype)
         for m in modules:
             _shard(m, wrapper, zero, dp_mesh, mp, comm.prefetch, units, ignored, experts)
+    # by name: materialising may replace them (localise_expert_weights)
+    ignored_names = [[n for n, p in m.named_parameters() if p in (ignored or ())] for m in modules]
     if materialise is not None:
         for m in modules:
             materialise(m)
@@ -254,9 +265,8 @@ def wrap_data_parallel(
     deferred = None
     if wrapper == "ddp":
         group = dp_mesh.get_group()
-        if ignored:
-            for m in modules:
-                names = [n for n, p in m.named_parameters() if p in ignored]
+        for m, names in zip(modules, ignored_names, strict=True):
+            if names:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, names)
         callables = [
             DistributedDataParallel(
@@ -285,12 +295,13 @@ def _data_parallel_kind(dims: ParallelDims) -> str:
 
 def data_parallel_kind(zero: int, dp: int, model_parallel: bool) -> str:
     """The trainer's data-parallel wrapper: FSDP2 for ZeRO 2/3; beside tp or pp, FSDP2's
-    replicate (or none over one rank); DDP otherwise."""
+    replicate; DDP otherwise; none over one data-parallel rank without ZeRO-2/3 (a DDP
+    of one rank would only copy every gradient into its buckets)."""
     if zero >= 2:
         return "fsdp"
-    if model_parallel:
-        return "replicate" if dp > 1 else "none"
-    return "ddp"
+    if dp == 1:
+        return "none"
+    return "replicate" if model_parallel else "ddp"
 
 
 def loss_context(loss_parallel: bool) -> contextlib.AbstractContextManager:
@@ -354,16 +365,24 @@ def grad_norm_and_clip(
     so their squared norms are summed over the pipeline group."""
     # grouped by mesh and placement: torch's norm and foreach ops need one mesh per call
     groups: dict[Any, list[nn.Parameter]] = {}
+    experts = parts.local_experts
     for p in parts.parameters():
         if p.grad is None:
             continue
         g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        if experts and p in experts.params:
+            key: Any = "experts"  # plain shards of an ep-sharded weight
+        else:
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(p)
     device = next(parts.parameters()).device
     sq = torch.zeros((), device=device, dtype=torch.float32)
-    for params in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
+    for key, params in groups.items():
+        grads = [p.grad for p in params]
+        if key == "experts":
+            assert experts is not None
+            grads = [experts.global_view(g) for g in grads]
+        n = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
         sq = sq + _full(n).float() ** 2
     if pp_group is not None:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
@@ -372,6 +391,12 @@ def grad_norm_and_clip(
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def _global(parts: ModelParts, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` as the DTensor of the whole parameter where it is a plain expert shard."""
+    experts = parts.local_experts
+    return experts.global_view(t) if experts and name in experts.names else t
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -399,7 +424,7 @@ def param_digest(parts: ModelParts, holder: bool) -> str:
     model at once (a gather of the full parameters to rank 0 would need the model's
     size several times over there, on its GPU under NCCL)."""
     rank = dist.get_rank()
-    params = dict(parts.named_parameters())
+    params = {name: _global(parts, name, p.detach()) for name, p in parts.named_parameters()}
     shapes = {name: tuple(p.shape) for name, p in params.items()} if holder else {}
     every: list[dict[str, tuple[int, ...]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, shapes)
@@ -411,7 +436,7 @@ def param_digest(parts: ModelParts, holder: bool) -> str:
     for name in sorted(set(owner) | set(params)):
         # every rank of a stage reaches its names in this order: the gathers of shards
         # (ZeRO-3, tensor parallel) are collectives of that stage's ranks
-        full = _full(params[name].detach()).float().contiguous() if name in params else None
+        full = _full(params[name]).float().contiguous() if name in params else None
         src, shape = owner.get(name, (None, ()))
         if src is None:
             continue

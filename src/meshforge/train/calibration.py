@@ -409,7 +409,7 @@ def measure_wrapped_blocks(
         def run() -> None:
             for i in range(microbatches):
                 sync = parts.gradient_sync(i == microbatches - 1) if parts else None
-                on = cast is not None and wrapper == "ddp"  # FSDP casts through its policy
+                on = cast is not None and wrapper in ("ddp", "none")  # FSDP casts by policy
                 autocast = torch.autocast(device.type, dtype=cast or torch.float32, enabled=on)
                 with sync or contextlib.nullcontext(), autocast:
                     out = module(inputs)

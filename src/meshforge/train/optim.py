@@ -137,10 +137,16 @@ class Optimizers:
             msd, osd = get_state_dict(module, opt, options=_FLAT)
             model_sd.update(msd)
             optim_sd.update(osd)
+        experts = self.parts.local_experts
+        if experts:  # expert shards held as plain tensors: saved as the global DTensors
+            return experts.state_to_global(model_sd), experts.state_to_global(optim_sd)
         return model_sd, optim_sd
 
     def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         """Put loaded (model, optimizer) state back into the parts and optimizers."""
+        experts = self.parts.local_experts
+        if experts:
+            model_sd, optim_sd = experts.state_to_local(model_sd), experts.state_to_local(optim_sd)
         for module, opt in zip(self.parts.modules, self.optimizers, strict=True):
             if self.zero1:
                 own = {k: model_sd[k] for k in module.state_dict()}
