@@ -48,6 +48,7 @@ _LLAMA_ONLY = {
     "moe": None,
 }
 _GPT_ONLY = {"mlp_ratio": 4, "dropout": 0.0}
+_MOE_ON_GPT = "model.moe applies to model.name=llama, not gpt"
 _SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, **_LLAMA_ONLY, **_GPT_ONLY}
 
 
@@ -150,6 +151,10 @@ class ModelConfig(_Section):
                     moe.pop("aux_loss_coeff", None)  # the preset's, for a balance not chosen
                 value["moe"] = {**moe, **value["moe"]}  # moe fields given beside win
             value = {**base, **value}
+        if value.get("name", "gpt") == "gpt" and value.get("moe") is not None:
+            # the family first: not the moe fields a gpt cannot use anyway (expert_ffn
+            # missing), nor the preset's other llama fields (n_kv_heads)
+            raise ValueError(_MOE_ON_GPT)
         if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
             value["tie_embeddings"] = False  # Llama-style models have a head of their own
         return value

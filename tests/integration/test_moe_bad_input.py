@@ -84,3 +84,31 @@ def test_bad_moe_input_exits_2_with_one_line(tmp_path, case):
     )
     assert_one_line_error(proc, *words)
     assert not run_dir.exists() or not (run_dir / "checkpoints").exists()
+
+
+# model.moe on a gpt is refused for its family before any other complaint: not the
+# preset's other llama fields (n_kv_heads), nor the moe fields a gpt could not use
+GPT_WITH_MOE = [
+    ("preset-renamed-gpt", {"preset": "moe-tiny", "name": "gpt"}),
+    ("moe-fields-missing", {"name": "gpt", "moe": {"experts": 4}}),
+    ("beside-n-kv-heads", {"name": "gpt", "n_kv_heads": 2,
+                           "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", [m for _, m in GPT_WITH_MOE], ids=[i for i, _ in GPT_WITH_MOE])
+def test_moe_on_gpt_names_the_family_first(model):
+    raw = merge(TINY_JOB, {"model": {}})
+    raw["model"] = model
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert str(err.value) == "model.moe applies to model.name=llama, not gpt"
+
+
+def test_moe_preset_set_to_gpt_exits_2_naming_the_family(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = meshforge(["train", "examples/moe-tiny.yaml", "--set", "model.name=gpt",
+                      "--run-dir", str(run_dir)], timeout=120)  # fmt: skip
+    line = assert_one_line_error(proc, "model.moe applies to model.name=llama, not gpt")
+    assert "n_kv_heads" not in line
+    assert not run_dir.exists()
