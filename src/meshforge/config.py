@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_serializer,
@@ -583,6 +584,9 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    # the job file it was read from (load_config): an error about the layout at a world
+    # size names it, as the errors found while reading it do
+    _source: str | None = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod
@@ -656,8 +660,13 @@ class JobConfig(_Section):
 
     def dims(self, world_size: int) -> ParallelDims:
         """The checked layout on `world_size` ranks; ConfigError naming the first rule
-        it breaks (layout/rules.py)."""
-        return derive(self.layout_request(), self.model.layout_shape(), world_size)
+        it breaks (layout/rules.py), prefixed with the job file it was read from."""
+        try:
+            return derive(self.layout_request(), self.model.layout_shape(), world_size)
+        except ConfigError as exc:
+            if self._source is None:
+                raise
+            raise ConfigError(f"{self._source}: {exc}") from None
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
@@ -959,9 +968,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is None:
         return build_config(raw)
     try:
-        return build_config(raw)
+        cfg = build_config(raw)
     except ConfigError as exc:  # which file: a job file, or a cluster file given as one
         raise ConfigError(f"{path}: {exc}") from None
+    cfg._source = str(path)
+    return cfg
 
 
 def dump_config(cfg: JobConfig) -> str:

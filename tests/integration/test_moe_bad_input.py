@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from helpers import TINY_JOB, assert_one_line_error, merge, meshforge
-from meshforge.config import build_config
+from meshforge.config import build_config, load_config
 from meshforge.errors import ConfigError
 
 MOE = {"model": {"name": "llama", "n_kv_heads": 2, "tie_embeddings": False,
@@ -82,8 +82,20 @@ def test_bad_moe_input_exits_2_with_one_line(tmp_path, case):
     proc = meshforge(
         ["train", str(path), "--run-dir", str(run_dir), "--nproc", str(nproc)], timeout=120
     )
-    assert_one_line_error(proc, *words)
+    line = assert_one_line_error(proc, *words)
+    assert line.startswith(f"meshforge: error: {path}: "), line  # the file, as every field's
     assert not run_dir.exists() or not (run_dir / "checkpoints").exists()
+
+
+def test_a_layout_error_at_a_world_size_names_the_job_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_raw({"parallel": {"ep": 4}})))
+    with pytest.raises(ConfigError) as err:
+        load_config(path).dims(2)
+    assert str(err.value).startswith(f"{path}: parallel.ep=4 does not divide")
+    with pytest.raises(ConfigError) as err:  # a job not read from a file names none
+        build_config(_raw({"parallel": {"ep": 4}})).dims(2)
+    assert str(err.value).startswith("parallel.ep=4 does not divide")
 
 
 # model.moe on a gpt is refused for its family before any other complaint: not the
