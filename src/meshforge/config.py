@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_serializer,
@@ -48,6 +49,7 @@ _LLAMA_ONLY = {
     "moe": None,
 }
 _GPT_ONLY = {"mlp_ratio": 4, "dropout": 0.0}
+_MOE_ON_GPT = "model.moe applies to model.name=llama, not gpt"
 _SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, **_LLAMA_ONLY, **_GPT_ONLY}
 
 
@@ -150,6 +152,10 @@ class ModelConfig(_Section):
                     moe.pop("aux_loss_coeff", None)  # the preset's, for a balance not chosen
                 value["moe"] = {**moe, **value["moe"]}  # moe fields given beside win
             value = {**base, **value}
+        if value.get("name", "gpt") == "gpt" and value.get("moe") is not None:
+            # the family first: not the moe fields a gpt cannot use anyway (expert_ffn
+            # missing), nor the preset's other llama fields (n_kv_heads)
+            raise ValueError(_MOE_ON_GPT)
         if "tie_embeddings" not in value and value.get("name", "gpt") != "gpt":
             value["tie_embeddings"] = False  # Llama-style models have a head of their own
         return value
@@ -578,6 +584,9 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    # the job file it was read from (load_config): an error about the layout at a world
+    # size names it, as the errors found while reading it do
+    _source: str | None = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod
@@ -651,8 +660,13 @@ class JobConfig(_Section):
 
     def dims(self, world_size: int) -> ParallelDims:
         """The checked layout on `world_size` ranks; ConfigError naming the first rule
-        it breaks (layout/rules.py)."""
-        return derive(self.layout_request(), self.model.layout_shape(), world_size)
+        it breaks (layout/rules.py), prefixed with the job file it was read from."""
+        try:
+            return derive(self.layout_request(), self.model.layout_shape(), world_size)
+        except ConfigError as exc:
+            if self._source is None:
+                raise
+            raise ConfigError(f"{self._source}: {exc}") from None
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world size; raises ConfigError if it cannot fit."""
@@ -954,9 +968,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is None:
         return build_config(raw)
     try:
-        return build_config(raw)
+        cfg = build_config(raw)
     except ConfigError as exc:  # which file: a job file, or a cluster file given as one
         raise ConfigError(f"{path}: {exc}") from None
+    cfg._source = str(path)
+    return cfg
 
 
 def dump_config(cfg: JobConfig) -> str:

@@ -117,6 +117,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "moe": {"experts": 4, "top_k": 2, "expert_ffn": 64},
     },  # fmt: skip
 }
+# presets whose seq_len is a published model's pre-training context (not moe-tiny's)
+PUBLISHED = frozenset(PRESETS) - {"moe-tiny"}
 
 
 def preset(name: str) -> dict[str, Any]:

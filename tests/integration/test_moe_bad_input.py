@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from helpers import TINY_JOB, assert_one_line_error, merge, meshforge
-from meshforge.config import build_config
+from meshforge.config import build_config, load_config
 from meshforge.errors import ConfigError
 
 MOE = {"model": {"name": "llama", "n_kv_heads": 2, "tie_embeddings": False,
@@ -82,5 +82,45 @@ def test_bad_moe_input_exits_2_with_one_line(tmp_path, case):
     proc = meshforge(
         ["train", str(path), "--run-dir", str(run_dir), "--nproc", str(nproc)], timeout=120
     )
-    assert_one_line_error(proc, *words)
+    line = assert_one_line_error(proc, *words)
+    assert line.startswith(f"meshforge: error: {path}: "), line  # the file, as every field's
     assert not run_dir.exists() or not (run_dir / "checkpoints").exists()
+
+
+def test_a_layout_error_at_a_world_size_names_the_job_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_raw({"parallel": {"ep": 4}})))
+    with pytest.raises(ConfigError) as err:
+        load_config(path).dims(2)
+    assert str(err.value).startswith(f"{path}: parallel.ep=4 does not divide")
+    with pytest.raises(ConfigError) as err:  # a job not read from a file names none
+        build_config(_raw({"parallel": {"ep": 4}})).dims(2)
+    assert str(err.value).startswith("parallel.ep=4 does not divide")
+
+
+# model.moe on a gpt is refused for its family before any other complaint: not the
+# preset's other llama fields (n_kv_heads), nor the moe fields a gpt could not use
+GPT_WITH_MOE = [
+    ("preset-renamed-gpt", {"preset": "moe-tiny", "name": "gpt"}),
+    ("moe-fields-missing", {"name": "gpt", "moe": {"experts": 4}}),
+    ("beside-n-kv-heads", {"name": "gpt", "n_kv_heads": 2,
+                           "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", [m for _, m in GPT_WITH_MOE], ids=[i for i, _ in GPT_WITH_MOE])
+def test_moe_on_gpt_names_the_family_first(model):
+    raw = merge(TINY_JOB, {"model": {}})
+    raw["model"] = model
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert str(err.value) == "model.moe applies to model.name=llama, not gpt"
+
+
+def test_moe_preset_set_to_gpt_exits_2_naming_the_family(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = meshforge(["train", "examples/moe-tiny.yaml", "--set", "model.name=gpt",
+                      "--run-dir", str(run_dir)], timeout=120)  # fmt: skip
+    line = assert_one_line_error(proc, "model.moe applies to model.name=llama, not gpt")
+    assert "n_kv_heads" not in line
+    assert not run_dir.exists()

@@ -258,6 +258,21 @@ def test_plan_plans_the_moe_presets(meshforge, preset, total, active):
     assert out["time_breakdown_s"]["ep_comm_s"] > 0
 
 
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_the_plan_says_a_preset_plans_at_its_published_context(meshforge, preset):
+    job = ["--gpus", "16", "--global-batch", "64", "--tp", "1", "--pp", "1", "--zero", "3",
+           "--micro-batch", "1", "--recompute", "full"]  # fmt: skip
+    layout = [*job, "--ep", "8"]
+    proc = meshforge(["plan", "--model", preset, *layout])
+    assert proc.returncode == 0, proc.stderr
+    assert f"seq 32,768: {preset}'s published context; --seq to change" in proc.stdout
+    searched = meshforge(["plan", "--model", preset, *job, "--top", "2"])  # ep searched
+    assert searched.returncode == 0, searched.stderr
+    assert f"seq 32,768: {preset}'s published context" in searched.stdout
+    given = meshforge(["plan", "--model", preset, "--seq", "4096", *layout])
+    assert "seq 4,096 (--seq)" in given.stdout and "32,768" not in given.stdout
+
+
 # -- the published MoE runs -----------------------------------------------------------
 
 

@@ -365,7 +365,8 @@ def plan_command(
     where = cluster.device.name
     if framework_name != "meshforge":
         where += f", {framework_name}"
-    _print_table(predictions, is_search, where, n, fields)
+    seq_from = " (the job's model.seq_len)" if config is not None else _seq_from(preset, seq)
+    _print_table(predictions, is_search, where, n, fields, _seq_line(model, seq_from))
     for warning in warnings:
         typer.echo(f"meshforge: note: {warning}", err=True)
 
@@ -455,6 +456,27 @@ def _job_world_size(job: JobPlan, config: Path) -> int:
     )
 
 
+def _seq_from(preset: str | None, seq: int | None) -> str:
+    """Where the planned sequence length came from, for the plan's header: a flag, or
+    a preset's own (said, with how to change it: a MoE preset's is 32k tokens)."""
+    from meshforge.presets import PUBLISHED
+
+    if seq is not None or preset is None:
+        return " (--seq)"
+    context = "published context" if preset in PUBLISHED else "seq_len"
+    return f": {preset}'s {context}; --seq to change"
+
+
+def _seq_line(model: object, seq_from: str) -> str | None:
+    """`seq 32,768: mixtral-8x7b's published context; ...`: the sequence length
+    every step of the plan is at (None: a bare parameter count has none)."""
+    from meshforge.plan.core.flops import GPTShape
+
+    if not isinstance(model, GPTShape):
+        return None
+    return f"seq {model.seq_len:,}{seq_from}"
+
+
 def _gib(value: float | None) -> str:
     """GiB, or MiB below a tenth of one (a small model's states read 0.00 GiB)."""
     if value is None:
@@ -521,7 +543,12 @@ def _hw_tflops(p: Prediction) -> float | None:
 
 
 def _print_table(
-    predictions: list[Prediction], is_search: bool, device: str, n: int, fields: dict[str, str]
+    predictions: list[Prediction],
+    is_search: bool,
+    device: str,
+    n: int,
+    fields: dict[str, str],
+    seq_line: str | None = None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -529,8 +556,9 @@ def _print_table(
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 120)  # piped: do not truncate columns
+    below = f"\n{seq_line}" if seq_line else ""  # the title's second line
     if not predictions:
-        console.print(f"no layout of {n} x {device} fits in memory")
+        console.print(f"no layout of {n} x {device} fits in memory{below}")
         return
     convention = predictions[0].memory.convention
     if is_search:
@@ -543,7 +571,7 @@ def _print_table(
                 f"{convention} memory)"
             )
         table = Table(
-            title=title,
+            title=title + below,
             caption=_legend(fields),
         )
         for column in ("layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
@@ -559,7 +587,7 @@ def _print_table(
         console.print(table)
         return
     p, mem = predictions[0], predictions[0].memory
-    table = Table(title=f"plan for {n} x {device}", show_header=False)
+    table = Table(title=f"plan for {n} x {device}{below}", show_header=False)
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [

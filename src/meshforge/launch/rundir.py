@@ -65,8 +65,8 @@ class Decision:
 
 def model_changes(earlier: dict[str, Any], cfg: JobConfig) -> list[str]:
     """`model.FIELD old -> new` for each model field that differs from the earlier
-    config (its defaults filled in, as config.yaml always has them). A preset's name
-    is not compared: the fields it fills are."""
+    config (its defaults filled in, as config.yaml always has them), down to the
+    fields of model.moe. A preset's name is not compared: the fields it fills are."""
     before = earlier.get("model")
     if not isinstance(before, dict):
         return []
@@ -75,11 +75,29 @@ def model_changes(earlier: dict[str, Any], cfg: JobConfig) -> list[str]:
     except ValueError:
         pass  # written by another version: compare the fields as they are
     now = cfg.model.model_dump(mode="json")
-    return [
-        f"model.{key} {before.get(key)!r} -> {now.get(key)!r}"
-        for key in dict.fromkeys([*now, *before])
-        if key != "preset" and before.get(key) != now.get(key)  # a preset is its fields
-    ]
+    before = {k: v for k, v in before.items() if k != "preset"}  # a preset is its fields
+    now.pop("preset", None)
+    return _changes("model", before, now)
+
+
+def _changes(where: str, before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`WHERE.KEY old -> new` per differing key; a section on both sides (model.moe)
+    names the fields within that differ, not the whole section."""
+    out = []
+    for key in dict.fromkeys([*now, *before]):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += _changes(f"{where}.{key}", old, new)
+        else:
+            out.append(f"{where}.{key} {_shown(old)} -> {_shown(new)}")
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value as a change names it; a section given on one side only is `set`."""
+    return "set" if isinstance(value, dict) else repr(value)
 
 
 def outputs_of(cfg: JobConfig) -> list[str]:
@@ -120,7 +138,8 @@ def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> Decision:
     changed = model_changes(earlier.config, cfg)
     if changed:
         raise ConfigError(
-            f"run directory {run_dir} holds a run of another model ({', '.join(changed)}); "
+            f"run directory {run_dir} holds a run of another model (the run's -> this "
+            f"job's: {', '.join(changed)}); "
             "start over there with --fresh, or use another --run-dir"
         )
     t, reached = cfg.train, earlier.reached
