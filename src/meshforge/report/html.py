@@ -927,7 +927,7 @@ def _moe_facts(run: Run, moe: dict[str, Any]) -> list[list[str]]:
     cf = moe.get("capacity_factor")
     settings = (
         f"{moe.get('experts', 'n/a')} experts, top-{moe.get('top_k', 'n/a')}, "
-        f"{moe.get('router') or 'n/a'} router, ep {moe.get('ep') or 1}, load_balance "
+        f"{moe.get('router') or 'n/a'} router, {_moe_ep(moe)}, load_balance "
         f"{moe.get('load_balance') or 'n/a'}, "
         + (f"capacity factor {cf}" if cf is not None else "dropless (no capacity factor)")
     )
@@ -948,6 +948,19 @@ def _moe_facts(run: Run, moe: dict[str, Any]) -> list[list[str]]:
             causes.update({str(k): str(v) for k, v in found.items()})
     rows += [[f"straggler rank {rank}", cause] for rank, cause in sorted(causes.items())]
     return rows
+
+
+def _moe_ep(moe: dict[str, Any]) -> str:
+    """`ep 2`, or per segment when they differ: `ep 2 (steps 0-10), 1 (steps 10-20)`."""
+    ep = _number(moe.get("ep"))
+    if ep is not None:
+        return f"ep {int(ep)}"
+    per = [s for s in _list(moe.get("ep_per_segment")) if isinstance(s, dict)]
+    if not per:
+        return "ep 1" if "ep" not in moe else "ep n/a"
+    return "ep " + ", ".join(
+        f"{s.get('ep')} (steps {s.get('start_step')}-{s.get('end_step')})" for s in per
+    )
 
 
 def _moe_section(runs: list[Run], plots: list[Plot]) -> str:

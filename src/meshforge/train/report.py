@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshforge.observe.expert_load import moe_summary
-from meshforge.observe.metrics import latest_rows
+from meshforge.observe.metrics import is_tail, latest_rows
 from meshforge.observe.peak import PeakFlops
 from meshforge.redact import redact_tree
 from meshforge.rundir.records import read_jsonl
@@ -93,7 +93,9 @@ def run_history(
 ) -> dict[str, Any]:
     """The run's metrics over every segment: `rows` (the latest row of each step, in step
     order), `steady` (those rows without each segment's first logged interval, which
-    includes its start-up; all rows when nothing else is left) and `segments`. The
+    includes its start-up; all rows when nothing else is left), `moe_rows` (`rows` with
+    the segments' `moe_tail` records: the expert counts of the steps after a segment's
+    last logged row) and `segments`. The
     segment's own rows stand in when metrics.jsonl could not be written or read."""
     try:
         records = read_jsonl(Path(run_dir) / "metrics.jsonl")
@@ -104,11 +106,13 @@ def run_history(
     rows = latest_rows(records)
     first_logged: dict[Any, Any] = {}  # segment -> the first step it logged
     for r in records:
-        first_logged.setdefault(r.get("segment"), r.get("step"))
+        if not is_tail(r):
+            first_logged.setdefault(r.get("segment"), r.get("step"))
     steady = [r for r in rows if first_logged.get(r.get("segment")) != r.get("step")]
     return {
         "rows": rows,
         "steady": steady or rows,
+        "moe_rows": latest_rows(records, tails=True),
         "segments": segments_of(Path(run_dir), records),
     }
 
@@ -204,7 +208,7 @@ def build_report(
             for r, x in sorted(summary.stragglers.items())
         ],
     }
-    moe = moe_summary(cfg, summary.dims, history["rows"])
+    moe = moe_summary(cfg, summary.dims, history["moe_rows"], history["segments"])
     if moe is not None:
         # the parameters one token passes through: what flops_per_token counts
         moe["active_params"] = summary.params.active_or_total
