@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,64 @@ def test_html_without_aux_loss_says_why_and_odd_sections_do_not_break_it(
     assert "<h2>Mixture of experts</h2>" in page
     (run / "report.json").unlink()  # summed from the rows: the garbled one left out
     assert "layer 1, expert 0" in build_html([run])
+
+
+def test_a_run_extended_under_another_layout_and_stopped_counts_every_step(
+    moe_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """The ep=2 run extended on 1 rank (no expert parallelism) and stopped by SIGTERM
+    between two logged steps: report.json's moe counts cover every step that ran (the
+    stop writes the pending interval's), its ep is per segment, and the headline
+    tokens/s and MFU are the new layout's, as report.html's top line says."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO
+    from meshforge.report.html import headline, load_run
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(moe_run[0], run_dir)
+    config = tmp_path / "moe.yaml"
+    config.write_text(yaml.safe_dump(JOB))
+    env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshforge", "train", str(config), "--nproc", "1",
+         "--run-dir", str(run_dir), "--set", "parallel.ep=1", "--set", "train.steps=5000"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r.get("segment") == 2 for r in _rows(run_dir)):  # step 15 logged
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = _report(run_dir)
+    assert report["status"] == "stopped", out[-3000:]
+    stopped = report["stopped"]["step"]
+    rows = _rows(run_dir)
+    if stopped % JOB["observe"]["log_every"]:  # between two logged steps: a tail record
+        assert rows[-1]["moe_tail"] is True and rows[-1]["step"] == stopped
+    moe = report["moe"]
+    routed = JOB["train"]["global_batch"] * 64 * moe["top_k"]  # moe-tiny: seq_len 64
+    assert [sum(t) for t in moe["tokens_per_expert"]] == [stopped * routed] * 2
+    assert moe["ep"] is None
+    assert [(s["segment"], s["start_step"], s["end_step"], s["ep"]) for s in
+            moe["ep_per_segment"]] == [(1, 0, 10, 2), (2, 10, stopped, 1)]  # fmt: skip
+    # the headline: segment 2's rows alone (its only row: its first), not a blend
+    own = [r for r in rows if r.get("segment") == 2 and not r.get("moe_tail")]
+    assert report["headline_segments"] == [2] and report["measured_steps"] == len(own)
+    assert report["tokens_per_s"] == pytest.approx(statistics.median(
+        r["tokens_per_s"] for r in own))  # fmt: skip
+    assert [s["tokens_per_s"] for s in report["segments"]][0] == pytest.approx(
+        next(r["tokens_per_s"] for r in rows if r["step"] == 10)
+    )
+    items = {name: text for name, _, text in headline(load_run(run_dir))}
+    assert items["tokens/s"] == f"{report['tokens_per_s']:,.0f} (segment 2, the last layout logged)"
+    assert "(segment 2, the last layout logged)" in out

@@ -196,7 +196,22 @@ def segment_text(segment: dict[str, Any]) -> str:
     why = str(segment.get("ended") or "unknown")
     if segment.get("signal"):
         why += f" ({segment['signal']})"
-    return f"{steps}{ranks}" + (f" ({dims})" if dims else "") + f": {why}"
+    tokens, mfu = _num(segment, "tokens_per_s"), _num(segment, "mfu")
+    rates = "" if tokens is None else f"; {tokens:,.0f} tok/s, MFU {mfu_text(mfu)}"
+    return f"{steps}{ranks}" + (f" ({dims})" if dims else "") + f": {why}{rates}"
+
+
+def headline_label(report: dict[str, Any]) -> str:
+    """What report.json's tokens/s and MFU are taken over, when not the whole run:
+    " (segment 2, the last layout logged)"; "" when every segment counts."""
+    segments = [s for s in report.get("segments") or [] if isinstance(s, dict)]
+    counted = report.get("headline_segments")
+    if len(segments) < 2 or not isinstance(counted, list) or not counted:
+        return ""
+    if len(counted) >= len(segments):
+        return ""
+    which = ", ".join(str(n) for n in counted)
+    return f" (segment{'s' if len(counted) > 1 else ''} {which}, the last layout logged)"
 
 
 def _segments_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -282,8 +297,12 @@ def print_summary(report: dict[str, Any], console: Console | None = None) -> Non
         ("parameters", format_count(report.get("model_params"))),
         ("first loss", _loss_text(report.get("first_loss"))),
         ("final loss", _loss_text(report.get("final_loss"))),
-        ("tokens/s", f"{tokens:,.0f}" if isinstance(tokens, int | float) else "n/a"),
-        ("MFU", mfu_text(_num(report, "mfu"))),
+        (
+            "tokens/s",
+            (f"{tokens:,.0f}" if isinstance(tokens, int | float) else "n/a")
+            + headline_label(report),
+        ),
+        ("MFU", mfu_text(_num(report, "mfu")) + headline_label(report)),
         (
             "step time (median)",
             f"{step_time:.3f} s" if isinstance(step_time, int | float) else "n/a",

@@ -18,9 +18,32 @@ def max_over_mean(tokens: list[int]) -> float:
     return max(tokens) / mean if mean else 0.0
 
 
-def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def ep_per_segment(segments: list[dict[str, Any]], ep: int) -> list[dict[str, Any]]:
+    """Each segment's expert-parallel degree (from the layout its start recorded; `ep`,
+    the current layout's, for a segment without one), with the steps it trained."""
+    out = []
+    for s in segments:
+        layout = s.get("layout")
+        seg_ep = int(layout.get("ep") or 1) if isinstance(layout, dict) else ep
+        out.append({
+            "segment": s.get("segment"),
+            "start_step": s.get("start_step"),
+            "end_step": s.get("end_step"),
+            "ep": seg_ep,
+        })  # fmt: skip
+    return out
+
+
+def moe_summary(
+    cfg: Any,
+    dims: ParallelDims,
+    rows: list[dict[str, Any]],
+    segments: list[dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
     """report.json's `moe` section from the run's rows: the tokens each expert of
-    each layer got over the run, its balance, drops and the last auxiliary loss."""
+    each layer got over the run, its balance, drops and the mean auxiliary loss.
+    `ep` is the expert-parallel degree when every segment that trained had the same
+    (else None: `ep_per_segment` says which segment had which)."""
     moe = cfg.model.moe
     if moe is None:
         return None
@@ -43,10 +66,14 @@ def moe_summary(cfg: Any, dims: ParallelDims, rows: list[dict[str, Any]]) -> dic
     tokens = [totals[i] for i in layers]
     balance = [max_over_mean(t) for t in tokens]
     assigned = sum(sum(t) for t in tokens)
+    per_segment = ep_per_segment(segments or [], dims.ep)
+    trained = [s for s in per_segment if (s["end_step"] or 0) > (s["start_step"] or 0)]
+    eps = {s["ep"] for s in trained or per_segment} or {dims.ep}
     return {
         "experts": moe.experts,
         "top_k": moe.top_k,
-        "ep": dims.ep,
+        "ep": eps.pop() if len(eps) == 1 else None,
+        "ep_per_segment": per_segment,
         "router": moe.router,
         "load_balance": moe.load_balance,
         "capacity_factor": moe.capacity_factor,

@@ -91,7 +91,7 @@ class JsonlSink:
         self.close()
 
 
-def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def latest_rows(records: list[dict[str, Any]], tails: bool = False) -> list[dict[str, Any]]:
     """One row per step, in step order: the latest row of each step.
 
     A run resumed from an earlier checkpoint trains some steps again. Each row carries
@@ -101,7 +101,11 @@ def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     beyond the checkpoint its successor resumed from (abandoned, never to be trained
     from) are left out. Rows of one segment for the same step (or rows without a
     segment, as older runs wrote them) are merged, later values winning. A record
-    without a numeric step keeps its place by its index."""
+    without a numeric step keeps its place by its index.
+
+    A `moe_tail` record (the expert counts of the steps after a segment's last logged
+    row, written when it ends: train/metrics_logger.py) is no row of figures: left out
+    unless `tails`, after the segments' replacement, so an abandoned one goes too."""
     merged: dict[float, dict[str, Any]] = {}
     segment: Any = None
     for index, record in enumerate(records):
@@ -116,7 +120,12 @@ def latest_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if earlier is not None and earlier.get("segment") != values.get("segment"):
             earlier = None
         merged[key] = {**(earlier or {"step": step if numeric else key}), **values}
-    return [merged[k] for k in sorted(merged)]
+    return [merged[k] for k in sorted(merged) if tails or not is_tail(merged[k])]
+
+
+def is_tail(record: dict[str, Any]) -> bool:
+    """A `moe_tail` record of metrics.jsonl: expert counts only, no figures."""
+    return record.get("moe_tail") is True
 
 
 def number(value: Any) -> float | None:

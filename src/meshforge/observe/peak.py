@@ -8,7 +8,12 @@ than as a confident wrong number.
 
 CPUs: no datasheet applies, so the peak is a measured square-matmul rate for
 the run's dtype and torch thread count, cached per machine in
-``$MESHFORGE_CACHE/peak_flops.json`` (default ``~/.cache/meshforge/``).
+``$MESHFORGE_CACHE/peak_flops.json`` (default ``~/.cache/meshforge/``). The
+matmuls are timed in the three operand layouts a linear layer's training runs
+(forward x·Wᵀ, backward dY·W and dYᵀ·X) and the peak is the best of them: one
+layout alone can fall to a slow kernel (bf16 and fp16 ``a @ b`` with both operands
+row-major run ~10x below ``a @ bᵀ`` on CPUs without native bf16 units, which
+made a peak timed that way alone ~10x too low and MFU meaningless).
 """
 
 from __future__ import annotations
@@ -85,6 +90,13 @@ def _cache_path() -> Path:
     return Path(root) / "peak_flops.json"
 
 
+# the operand layouts timed (see the module docstring): "nt" is a @ bᵀ
+LAYOUTS = ("nt", "nn", "tn")
+# in each cache entry: one measured otherwise (before, the "nn" layout alone) is not
+# reused but measured again
+METHOD = "layouts=" + ",".join(LAYOUTS)
+
+
 def _cache_key(dtype: str, threads: int) -> str:
     return f"{cpu_model_name()}|torch={torch.__version__}|{dtype}|threads={threads}"
 
@@ -134,24 +146,48 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _measure_matmul_rate(dtype: str, threads: int, budget_s: float = 0.3) -> tuple[float, int]:
-    """Best rate of n x n matmuls, 2·n³ FLOPs each; n grows until one takes ~30 ms."""
+def _operands(a: torch.Tensor, b: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`a`, `b` as the matmul of `layout` takes them: "nt" a @ bᵀ (a linear layer's
+    forward, its weight stored [out, in]), "nn" a @ b (the gradient of its input),
+    "tn" aᵀ @ b (the gradient of its weight). Views: no copy is timed."""
+    return (a.t() if layout == "tn" else a), (b.t() if layout == "nt" else b)
+
+
+def _measure_matmul_rates(
+    dtype: str, threads: int, budget_s: float = 0.3
+) -> tuple[dict[str, float], int]:
+    """The best rate of n x n matmuls in `dtype` (2·n³ FLOPs each) in each operand
+    layout of LAYOUTS; n grows until the forward's layout takes ~30 ms."""
     torch_dtype = _TORCH_DTYPES["fp32" if dtype == "tf32" else dtype]
     with _torch_threads(threads), torch.no_grad():
         n, elapsed = 128, 0.0
         while True:
             a = torch.randn(n, n).to(torch_dtype)
             b = torch.randn(n, n).to(torch_dtype)
-            torch.mm(a, b)  # warm-up: thread pool start, kernel selection
-            elapsed = _time_matmul(a, b)
+            x, y = _operands(a, b, LAYOUTS[0])
+            torch.mm(x, y)  # warm-up: thread pool start, kernel selection
+            # the best of three: one matmul stalled by another process (a shared
+            # machine) must not stop the growth at a size too small to reach the peak
+            elapsed = min(_time_matmul(x, y) for _ in range(3))
             if elapsed >= 0.01 or n >= 4096:
                 break
             # Aim at ~30 ms per matmul (time grows as n³), at most 4x per step.
             grow = min(4.0, (0.03 / max(elapsed, 1e-6)) ** (1 / 3))
             n = min(4096, max(n + 64, int(n * grow) // 64 * 64))
-        repeats = max(3, min(50, int(budget_s / max(elapsed, 1e-6))))
-        best = min(_time_matmul(a, b) for _ in range(repeats))
-    return 2.0 * n**3 / best, n
+        rates = {}
+        for layout in LAYOUTS:
+            x, y = _operands(a, b, layout)
+            first = _time_matmul(x, y)  # warm-up, and how long one takes
+            share = budget_s / len(LAYOUTS)
+            repeats = max(3, min(50, int(share / max(first, elapsed, 1e-6))))
+            rates[layout] = 2.0 * n**3 / min(_time_matmul(x, y) for _ in range(repeats))
+    return rates, n
+
+
+def _measure_matmul_rate(dtype: str, threads: int, budget_s: float = 0.3) -> tuple[float, int]:
+    """The peak: the best rate over the operand layouts, and the size measured."""
+    rates, n = _measure_matmul_rates(dtype, threads, budget_s)
+    return max(rates.values()), n
 
 
 def measure_cpu_matmul_flops(
@@ -181,13 +217,20 @@ def _cpu_peak_cached(dtype: str, threads: int) -> tuple[float, bool]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with _cache_lock(path):
         entry = _read_cache(path).get(key)
-        if isinstance(entry, dict):
+        if isinstance(entry, dict) and entry.get("method") == METHOD:
             cached = entry.get("flops_per_s")
             if isinstance(cached, int | float) and math.isfinite(cached) and cached > 0:
                 return float(cached), True
-        flops, n = _measure_matmul_rate(dtype, threads)
+        rates, n = _measure_matmul_rates(dtype, threads)
+        flops = max(rates.values())
         data = _read_cache(path)
-        data[key] = {"flops_per_s": flops, "matrix_size": n, "measured_unix_s": time.time()}
+        data[key] = {
+            "flops_per_s": flops,
+            "flops_per_s_by_layout": rates,  # the slowest says what training may meet
+            "method": METHOD,
+            "matrix_size": n,
+            "measured_unix_s": time.time(),
+        }
         _write_cache_atomically(path, data)
     return flops, False
 

@@ -30,7 +30,7 @@ import yaml
 
 from meshforge.errors import ConfigError, DataError, MeshforgeError
 from meshforge.fileio import write_text_atomic
-from meshforge.observe.console import moe_summary_text, segment_text
+from meshforge.observe.console import headline_label, moe_summary_text, segment_text
 from meshforge.observe.metrics import latest_rows
 from meshforge.observe.metrics import number as _number
 from meshforge.observe.metrics import series as _series
@@ -524,7 +524,7 @@ def _last(values: list[float]) -> float | None:
 def headline(run: Run, costs: Tco | None = None) -> list[tuple[str, float | None, str]]:
     """(figure, number for ratios, text): report.json's, or from the rows while it runs."""
     r = run.report
-    steady = run.rows[1:] if len(run.rows) > 1 else run.rows  # the first includes start-up
+    steady = _last_segment_rows(run.rows)
     comm = r.get("communication") if isinstance(r.get("communication"), dict) else {}
     tokens = _first(_scalar(r.get("tokens_per_s")), _median(_values(steady, "tokens_per_s")))
     mfu = _first(_scalar(r.get("mfu")), _median(_values(steady, "mfu")))
@@ -543,9 +543,10 @@ def headline(run: Run, costs: Tco | None = None) -> list[tuple[str, float | None
     val = _first(_scalar(r.get("val_loss")), _last(_values(run.rows, "val_loss")))
     wall = _scalar(r.get("wall_time_s"))
     of_step = f" ({format_percent(share)} of the step)" if share is not None else ""
+    label = headline_label(r)  # report.json's: over the layout the run ended with
     items = [
-        ("tokens/s", tokens, "n/a" if tokens is None else f"{tokens:,.0f}"),
-        ("MFU", mfu, format_percent(mfu)),
+        ("tokens/s", tokens, ("n/a" if tokens is None else f"{tokens:,.0f}") + label),
+        ("MFU", mfu, format_percent(mfu) + label),
         ("step time (median)", step_s, _seconds(step_s)),
         ("exposed communication per step", exposed, _seconds(exposed) + of_step),
         ("peak memory (largest rank)", peak, format_bytes(peak)),
@@ -558,6 +559,14 @@ def headline(run: Run, costs: Tco | None = None) -> list[tuple[str, float | None
         worst = _number(moe.get("max_load"))
         items.append(("expert load max/mean (worst layer)", worst, moe_summary_text(moe)))
     return items + (_cost_items(run, costs) if costs is not None else [])
+
+
+def _last_segment_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A running run's headline rows (no report.json yet): the last segment's, without
+    its first (which includes its start-up) when it has more."""
+    last = rows[-1].get("segment") if rows else None
+    own = [r for r in rows if r.get("segment") == last]
+    return own[1:] if len(own) > 1 else own
 
 
 def _cost_items(run: Run, costs: Tco) -> list[tuple[str, float | None, str]]:
@@ -927,7 +936,7 @@ def _moe_facts(run: Run, moe: dict[str, Any]) -> list[list[str]]:
     cf = moe.get("capacity_factor")
     settings = (
         f"{moe.get('experts', 'n/a')} experts, top-{moe.get('top_k', 'n/a')}, "
-        f"{moe.get('router') or 'n/a'} router, ep {moe.get('ep') or 1}, load_balance "
+        f"{moe.get('router') or 'n/a'} router, {_moe_ep(moe)}, load_balance "
         f"{moe.get('load_balance') or 'n/a'}, "
         + (f"capacity factor {cf}" if cf is not None else "dropless (no capacity factor)")
     )
@@ -948,6 +957,19 @@ def _moe_facts(run: Run, moe: dict[str, Any]) -> list[list[str]]:
             causes.update({str(k): str(v) for k, v in found.items()})
     rows += [[f"straggler rank {rank}", cause] for rank, cause in sorted(causes.items())]
     return rows
+
+
+def _moe_ep(moe: dict[str, Any]) -> str:
+    """`ep 2`, or per segment when they differ: `ep 2 (steps 0-10), 1 (steps 10-20)`."""
+    ep = _number(moe.get("ep"))
+    if ep is not None:
+        return f"ep {int(ep)}"
+    per = [s for s in _list(moe.get("ep_per_segment")) if isinstance(s, dict)]
+    if not per:
+        return "ep 1" if "ep" not in moe else "ep n/a"
+    return "ep " + ", ".join(
+        f"{s.get('ep')} (steps {s.get('start_step')}-{s.get('end_step')})" for s in per
+    )
 
 
 def _moe_section(runs: list[Run], plots: list[Plot]) -> str:

@@ -48,6 +48,7 @@ import yaml
 
 from meshforge.errors import DataError
 from meshforge.observe.console import moe_summary_text
+from meshforge.observe.metrics import is_tail
 from meshforge.rundir.records import tail_rows
 from meshforge.rundir.report import read_report_or_none, report_path
 from meshforge.runtime import runlock
@@ -267,7 +268,8 @@ def read_run(run_dir: Path, now: float | None = None) -> RunView:
         with contextlib.suppress(OSError):
             if report_path(run_dir).stat().st_mtime < start - _CLOCK_SLACK_S:
                 report = None  # an earlier run's
-    rows = tail_rows(run_dir / "metrics.jsonl")
+    # a segment's moe_tail record holds expert counts only, no figures to show
+    rows = [r for r in tail_rows(run_dir / "metrics.jsonl") if not is_tail(r)]
     if report is not None and report.get("status") in FINAL_STATUSES:
         # ended once the ranks have written their last records too (the report comes
         # first), or their launcher has let go of the run directory

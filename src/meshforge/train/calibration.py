@@ -66,6 +66,7 @@ from meshforge.observe.peak import (
     gpu_peak_flops,
     measure_cpu_matmul_flops,
 )
+from meshforge.observe.peak import METHOD as CPU_PEAK_METHOD
 from meshforge.observe.straggler import StragglerWatch, rank_figures
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
 from meshforge.parallel.parallelize import (
@@ -204,7 +205,17 @@ def peak_matmul_flops(device: torch.device, dtype: str, threads: int) -> tuple[f
         name = torch.cuda.get_device_name(device)
         matmul_dtype = _cuda_matmul_dtype(dtype)
         return gpu_peak_flops(name, matmul_dtype), f"table:{name} {matmul_dtype}"
-    return measure_cpu_matmul_flops(dtype, threads), f"cpu matmul {dtype} threads={threads}"
+    flops = measure_cpu_matmul_flops(dtype, threads)
+    return flops, f"cpu matmul {dtype} threads={threads} {CPU_PEAK_METHOD}"
+
+
+def _stale_cpu_peak(measured: Any) -> bool:
+    """A cached CPU profile whose peak was measured otherwise than now (before, in one
+    operand layout only: bf16's came out ~10x low, observe/peak.py): measured again."""
+    source = getattr(measured, "peak_source", None)
+    return getattr(measured, "device_type", None) == "cpu" and (
+        not isinstance(source, str) or not source.endswith(CPU_PEAK_METHOD)
+    )
 
 
 # -- the model's compute at its own size ---------------------------------------------
@@ -770,6 +781,8 @@ def _measure_profile(device, dtype, group, cfg, threads, layout_mesh) -> Measure
         threads=threads, world=world, job=_job_key(cfg, mesh, layout_mesh),
     )  # fmt: skip
     cached = _agreed_cache_entry(key, device, group)
+    if cached is not None and _stale_cpu_peak(cached[0]):
+        cached = None  # every rank agreed on the same entry: they all measure again
     if cached is not None:
         measured, entry = cached
         taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["measured_at"]))

@@ -69,6 +69,7 @@ class MetricsLogger:
         self._jsonl: Guarded | None = None
         self._sinks: Sinks | None = None
         self._interval_t0, self._interval_steps = time.perf_counter(), 0
+        self._step = 0  # the last step counted
         self._wait0, self._first_interval, self._slow_data_warned = 0.0, True, False
         # a mixture of experts' routing: taken after every step, reduced per row
         self.expert_load = ExpertLoad(
@@ -87,6 +88,7 @@ class MetricsLogger:
         `stack`; the peak FLOP/s that MFU divides by."""
         o, rt = self.cfg.observe, self.rt
         self.progress, self.segment = progress, segment
+        self._step = resumed_from or 0
         if rt.is_main:
             path = self.run_dir / "metrics.jsonl"
             self._jsonl = Guarded("metrics.jsonl", JsonlSink(path), self.warn)
@@ -114,11 +116,47 @@ class MetricsLogger:
             if sinks.exporter is not None:
                 sinks.exporter.sampler = self.sampler
         self._interval_t0, self._interval_steps = time.perf_counter(), 0
+        # pushed last, so it runs first when the segment ends: the sinks are still open
+        stack.push(self._end_of_segment)
+
+    def _end_of_segment(self, exc_type: type[BaseException] | None, *_: Any) -> bool:
+        """The loop is over: on a normal end or an agreed stop every rank is here (a
+        collective is safe); after an error some may not be, and nothing is reduced."""
+        if exc_type is None:
+            self.flush_tail()
+        return False
+
+    def flush_tail(self) -> None:
+        """Collective: the counts of the steps after the segment's last logged row (a
+        stop between two `log_every` steps), as a `moe_tail` record of metrics.jsonl at
+        the last step that ran, so report.json's run-long `moe` counts cover every step
+        trained. Only the MoE counts: the interval's other figures are not measured."""
+        if not self._interval_steps:
+            return
+        moe = self.expert_load.interval(self.device)
+        if moe is None:
+            return
+        tail: dict[str, Any] = {
+            "step": self._step,
+            "time": time.time(),
+            "moe_tail": True,
+            "interval_steps": self._interval_steps,
+            "moe": moe,
+        }
+        if self.segment is not None:
+            tail["segment"] = self.segment
+        self._interval_steps = 0
+        if not self.rt.is_main:
+            return
+        self.rows.append(tail)
+        if self._jsonl is not None:
+            self._jsonl.call("write", tail)
 
     # -- every step ----------------------------------------------------------------------------
     def count(self, result: StepResult, steady: bool) -> None:
         """A step ran (a steady one: not the segment's first)."""
         self._interval_steps += 1
+        self._step += 1
         if result.busy_s is not None and steady:
             self.pipeline_times.append((result.busy_s, result.wall_s or 0.0))
 
@@ -130,6 +168,7 @@ class MetricsLogger:
         """Collective: the row of the interval ending at `step`, with every rank's
         figures. `t0`: when the step began; `step_s`: its time on this rank;
         `wait_s`: the loader's total wait for batches so far."""
+        self._step = step
         first = self._first_interval
         steady = not first  # the first interval includes start-up
         comm = self.comm.interval(self._interval_steps, steady)

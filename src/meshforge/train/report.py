@@ -1,10 +1,13 @@
 """report.json of a run (schema in DESIGN.md); its page, report.html, is report/html.py's.
 
 The report covers the whole run, every segment of it (rundir/segments.py): the first
-loss is the run's first step's, rates, step time and the time breakdown are medians
-and sums over the latest row of every step actually trained (each segment's first
-logged interval, which includes its start-up, left out), and `segments` lists each
-launch or restart with its steps, layout, world size and why it ended. Per-rank figures
+loss is the run's first step's; rates, step time and the time breakdown are medians
+and sums over the rows of the layout the run ended with (the last segment and those
+right before it with the same layout and world size, `headline_segments`; each one's
+first logged interval, which includes its start-up, left out): a run extended under
+another layout reports the speed of the layout it ended with; and `segments` lists
+each launch or restart with its steps, layout, world size, why it ended and its own
+tokens/s and MFU. Per-rank figures
 (memory, model state, communication bytes, stragglers) are the last segment's: its
 layout is the one they describe."""
 
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshforge.observe.expert_load import moe_summary
-from meshforge.observe.metrics import latest_rows
+from meshforge.observe.metrics import is_tail, latest_rows
 from meshforge.observe.peak import PeakFlops
 from meshforge.redact import redact_tree
 from meshforge.rundir.records import read_jsonl
@@ -93,7 +96,11 @@ def run_history(
 ) -> dict[str, Any]:
     """The run's metrics over every segment: `rows` (the latest row of each step, in step
     order), `steady` (those rows without each segment's first logged interval, which
-    includes its start-up; all rows when nothing else is left) and `segments`. The
+    includes its start-up; all rows when nothing else is left), `headline` (the steady
+    rows of the last segment that logged and of the segments right before it that ran
+    its layout; all their rows when that leaves none), `moe_rows` (`rows` with
+    the segments' `moe_tail` records: the expert counts of the steps after a segment's
+    last logged row) and `segments`. The
     segment's own rows stand in when metrics.jsonl could not be written or read."""
     try:
         records = read_jsonl(Path(run_dir) / "metrics.jsonl")
@@ -104,29 +111,63 @@ def run_history(
     rows = latest_rows(records)
     first_logged: dict[Any, Any] = {}  # segment -> the first step it logged
     for r in records:
-        first_logged.setdefault(r.get("segment"), r.get("step"))
+        if not is_tail(r):
+            first_logged.setdefault(r.get("segment"), r.get("step"))
     steady = [r for r in rows if first_logged.get(r.get("segment")) != r.get("step")]
+    segments = segments_of(Path(run_dir), records)
+    # the headline's rows: the last segment's, with the segments before it that ran the
+    # same layout on as many ranks (a run extended under another layout runs at that
+    # layout's speed: the earlier layout's figures would blur it)
+    last = rows[-1].get("segment") if rows else None
+    same = {last, *_same_layout_as(segments, last)}
+    headline = [r for r in steady if r.get("segment") in same]
     return {
         "rows": rows,
         "steady": steady or rows,
-        "segments": segments_of(Path(run_dir), records),
+        "headline": headline or [r for r in rows if r.get("segment") in same],
+        "moe_rows": latest_rows(records, tails=True),
+        "segments": segments,
     }
 
 
+def _same_layout_as(segments: list[dict[str, Any]], number: Any) -> list[Any]:
+    """The segments right before segment `number` that ran its layout and world size
+    (back to the first that did not)."""
+    index = next((i for i, s in enumerate(segments) if s.get("segment") == number), None)
+    if index is None:
+        return []
+    key = (segments[index].get("layout"), segments[index].get("world_size"))
+    out = []
+    for s in reversed(segments[:index]):
+        if (s.get("layout"), s.get("world_size")) != key:
+            break
+        out.append(s.get("segment"))
+    return out
+
+
 def history_figures(history: dict[str, Any]) -> dict[str, Any]:
-    """report.json's whole-run figures from `run_history`: plain values, no torch."""
-    rows, steady, segments = history["rows"], history["steady"], history["segments"]
+    """report.json's whole-run figures from `run_history`: plain values, no torch. The
+    rates, step time and breakdown are those of the layout the run ended with (the last
+    segment's and the ones before it under the same layout; `headline_segments` lists
+    them); each segment's own tokens/s and MFU are in `segments`."""
+    rows, segments = history["rows"], history["segments"]
+    headline = history.get("headline", history["steady"])
     walls = [s.get("wall_s") for s in segments]
+    for s in segments:  # each segment's own rates, over its steady rows
+        own = [r for r in history["steady"] if r.get("segment") == s.get("segment")]
+        s["tokens_per_s"] = _median([r.get("tokens_per_s") for r in own])
+        s["mfu"] = _median([r.get("mfu") for r in own])
     return {
         "first_loss": rows[0].get("loss") if rows else None,
         "final_loss": rows[-1].get("loss") if rows else None,
-        "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
-        "mfu": _median([r.get("mfu") for r in steady]),
-        "step_time_s": _median([r.get("step_time_s") for r in steady]),
-        "time_breakdown": time_breakdown(steady),
-        "data_wait_fraction": _median([r.get("data_wait_fraction") for r in steady]),
-        # the logged steps the medians and the breakdown are taken over
-        "measured_steps": len(steady),
+        "tokens_per_s": _median([r.get("tokens_per_s") for r in headline]),
+        "mfu": _median([r.get("mfu") for r in headline]),
+        "step_time_s": _median([r.get("step_time_s") for r in headline]),
+        "time_breakdown": time_breakdown(headline),
+        "data_wait_fraction": _median([r.get("data_wait_fraction") for r in headline]),
+        # the logged steps the medians and the breakdown are taken over, and their segment
+        "measured_steps": len(headline),
+        "headline_segments": sorted({r.get("segment") for r in headline} - {None}),
         "steps_trained": sum(max(0, s["end_step"] - s["start_step"]) for s in segments),
         "segments": segments,
         "wall_time_s": sum(w for w in walls if w is not None) if segments else None,
@@ -149,7 +190,7 @@ def build_report(
     cfg, peak = summary.cfg, summary.peak
     history = run_history(summary.run_dir, rows, segment)
     figures = history_figures(history)
-    steady = history["steady"]
+    steady = history["headline"]  # the last segment's, as the per-rank figures are
     report: dict[str, Any] = {
         "status": "completed",
         "name": cfg.name,
@@ -170,6 +211,7 @@ def build_report(
         "tokens_per_s": figures["tokens_per_s"],
         "mfu": figures["mfu"],
         "measured_steps": figures["measured_steps"],
+        "headline_segments": figures["headline_segments"],
         "peak_flops": {
             "flops_per_s": peak.flops_per_s,
             "source": peak.source,
@@ -204,7 +246,7 @@ def build_report(
             for r, x in sorted(summary.stragglers.items())
         ],
     }
-    moe = moe_summary(cfg, summary.dims, history["rows"])
+    moe = moe_summary(cfg, summary.dims, history["moe_rows"], history["segments"])
     if moe is not None:
         # the parameters one token passes through: what flops_per_token counts
         moe["active_params"] = summary.params.active_or_total
