@@ -130,6 +130,18 @@ Ep = Annotated[
     _opt("--ep", help="Expert-parallel degree (ranks borrowed from dp; divides dp and "
          "--experts).", panel=_LAYOUT),
 ]  # fmt: skip
+Cp = Annotated[
+    int | None,
+    _opt("--cp", help="Context-parallel degree: each sequence split over cp ranks (world = "
+         "pp x dp x cp x tp; searched at seq >= 16384 when left out). Planner only: the "
+         "trainer has no parallel.cp yet.", panel=_LAYOUT),
+]  # fmt: skip
+CpMethod = Annotated[
+    str | None,
+    _opt("--cp-method", help="How cp ranks exchange K/V: allgather (default, Llama 3), "
+         "ring (overlapped with attention) or alltoall (Ulysses; heads divisible by cp).",
+         panel=_LAYOUT),
+]  # fmt: skip
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")]
 
 
@@ -225,6 +237,8 @@ def plan_command(
     recompute: Recompute = None,
     sequence_parallel: SequenceParallel = None,
     ep: Ep = None,
+    cp: Cp = None,
+    cp_method: CpMethod = None,
     framework: Annotated[
         str | None,
         _opt(
@@ -263,7 +277,7 @@ def plan_command(
     )
 
     flags = LayoutChoice(dp, tp, pp, zero, micro_batch, virtual_stages, recompute,
-                         sequence_parallel, ep)  # fmt: skip
+                         sequence_parallel, ep, cp, cp_method)  # fmt: skip
     refusal = None
     framework_name = framework or "meshforge"
     shape_extras = {"--family": family, "--kv-heads": kv_heads}
@@ -522,6 +536,9 @@ def _layout_text(p: Prediction, fields: dict[str, str]) -> str:
             parts.append(part("sequence_parallel", "sp"))
     if lay.ep > 1 or fields.get("ep") == "given":
         parts.append(part("ep", f"ep{lay.ep}"))
+    if lay.cp > 1 or fields.get("cp") == "given":
+        searched = "cp" not in fields  # listed only where given (jobs.job.layout_fields)
+        parts.append(f"cp{lay.cp}{'*' if searched else ''} {lay.cp_method}")
     return " ".join(parts)
 
 
@@ -610,6 +627,9 @@ def _print_table(
         rows.insert(6, ("pipeline stages", _stages_text(p)))
     if p.time is not None and p.layout.ep > 1:
         rows.insert(3, ("expert all-to-all per step", f"{p.time.ep_comm_s:.4g} s"))
+    if p.time is not None and p.layout.cp > 1:
+        rows.insert(3, (f"context-parallel K/V ({p.layout.cp_method}) per step, exposed",
+                        f"{p.time.cp_comm_s:.4g} s"))  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)
     table.caption = _legend(fields)

@@ -80,6 +80,38 @@ def ep_alltoall_bytes(
     return micro_batch * seq * top_k * hidden * act_bytes / tp
 
 
+def cp_allgather_bytes(
+    micro_batch: int, seq: int, kv_width: int, tp: int, act_bytes: float
+) -> float:
+    """Full size S of the all-gather of K and V over the cp ranks in one layer's forward
+    (Llama 3's context parallelism, arXiv 2407.21783 §3.3.2): the whole sequence's K and
+    V, 2·b·s·kv/t·e (kv = n_kv_heads·head_dim, 1/t of the heads on a tensor-parallel
+    rank); each rank receives (cp-1)/cp of it (`busbw_factor("all_gather", cp)`). The
+    backward reduce-scatters the gradients of K and V, the same S."""
+    return 2.0 * micro_batch * seq * kv_width * act_bytes / tp
+
+
+def cp_ring_block_bytes(
+    micro_batch: int, seq: int, kv_width: int, tp: int, cp: int, act_bytes: float
+) -> float:
+    """Bytes one rank sends its ring neighbour in one of the cp-1 steps of ring attention:
+    its K and V block, 2·b·(s/cp)·kv/t·e (the backward sends the K/V block and the
+    partial dK/dV: twice that)."""
+    return 2.0 * micro_batch * (seq / cp) * kv_width * act_bytes / tp
+
+
+def cp_alltoall_bytes(
+    micro_batch: int, seq: int, q_width: int, kv_width: int, tp: int, cp: int, act_bytes: float
+) -> tuple[float, float, float]:
+    """Full sizes S (what one rank hands in) of Ulysses' three all-to-alls of one layer's
+    forward (DeepSpeed-Ulysses, Jacobs et al., arXiv 2309.14509): q, then k and v (sequence
+    shards to head shards), then the attention output (back): b·(s/cp)·q/t·e,
+    2·b·(s/cp)·kv/t·e and b·(s/cp)·q/t·e. Each crosses (cp-1)/cp of S; the backward runs
+    the same three on the gradients."""
+    tokens = micro_batch * (seq / cp) * act_bytes / tp
+    return tokens * q_width, 2.0 * tokens * kv_width, tokens * q_width
+
+
 def pp_elements_per_boundary(micro_batch: int, seq: int, hidden: int) -> float:
     """b·s·h per stage boundary per micro-batch, each way (activations forward,
     their gradients backward)."""

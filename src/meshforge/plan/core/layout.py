@@ -8,6 +8,14 @@ Expert parallelism borrows its ranks from data parallelism (layout/dims.py): an 
 group is `ep` consecutive data-parallel ranks (stride tp in global ranks), each holding
 E/ep of a MoE layer's routed experts; dp/ep ranks (stride tp·ep) hold the same experts
 and shard their states by ZeRO. ep does not change the world size.
+
+Context parallelism (cp > 1) splits each sequence over cp ranks, between tensor and data
+parallelism as in Megatron-Core (tp-cp-dp-pp): a cp group is cp ranks tp apart, and
+world = pp x dp x cp x tp. Weights are replicated over cp: gradients are reduced (and
+ZeRO shards states) over the dp x cp ranks holding the same weights, which are
+contiguous in steps of tp. cp takes no share of the batch (m = B/(b·dp)). Methods
+(CP_METHODS): allgather (Llama 3), ring (ring attention, Megatron-Core's p2p), alltoall
+(DeepSpeed-Ulysses). The planner side only: the trainer has no parallel.cp yet.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from meshforge.plan.core.flops import GPTShape
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
+CP_METHODS = ("allgather", "ring", "alltoall")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -35,6 +44,8 @@ class Layout:
     virtual_stages: int = 1  # v > 1 means interleaved 1F1B
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel: a divisor of dp and of the routed experts
+    cp: int = 1  # context parallel: the sequence split over cp ranks (module docstring)
+    cp_method: str = "allgather"  # how the cp ranks exchange K and V (CP_METHODS)
 
     @property
     def edp(self) -> int:
@@ -43,7 +54,17 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_dp(self) -> int:
+        """Ranks holding the same weights, over which gradients are reduced and ZeRO
+        shards: dp x cp (cp replicates the weights)."""
+        return self.dp * self.cp
+
+    @property
+    def cp_stride(self) -> int:
+        return self.tp
 
     @property
     def pp_schedule(self) -> str:
@@ -54,21 +75,21 @@ class Layout:
     # strides of each group in global ranks (see module docstring)
     @property
     def dp_stride(self) -> int:
-        return self.tp
+        return self.tp * self.cp
 
     @property
     def pp_stride(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.cp * self.dp
 
     @property
     def ep_stride(self) -> int:
         """An expert group's ranks are consecutive data-parallel ranks."""
-        return self.tp
+        return self.tp * self.cp
 
     @property
     def edp_stride(self) -> int:
         """The ranks holding the same experts are ep data-parallel ranks apart."""
-        return self.tp * self.ep
+        return self.tp * self.cp * self.ep
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +134,7 @@ FLAG_NAMES = Names(
         "tp": "--tp",
         "pp": "--pp",
         "ep": "--ep",
+        "cp": "--cp",
         "experts": "--experts",
         "zero": "--zero",
         "virtual_stages": "--virtual-stages",
@@ -166,6 +188,33 @@ def check_layout(
     lay_shape = None if shape is None else layout_shape(shape)
     first_problem(check(request, lay_shape, FLAG_NAMES, trainer=False))
     _check_experts(layout, shape)
+    _check_context(layout, shape)
+
+
+def _check_context(layout: Layout, shape: GPTShape | None) -> None:
+    """Context parallelism's rules in flags: the sequence splits into 2·cp chunks (each
+    rank a head and a tail chunk, so the causal work is balanced); Ulysses' all-to-all
+    hands each rank whole heads, so the heads of a tensor-parallel rank divide by cp."""
+    cp, method = layout.cp, layout.cp_method
+    if cp < 1:
+        raise ConfigError(f"--cp must be >= 1, got {cp}")
+    if method not in CP_METHODS:
+        raise ConfigError(f"--cp-method must be one of {', '.join(CP_METHODS)}, got {method!r}")
+    if cp == 1:
+        return
+    if shape is None:
+        raise ConfigError(f"--cp {cp} needs a model shape (a sequence to split), not --params")
+    if layout.ep > 1:
+        raise ConfigError(f"--cp {cp} with --ep {layout.ep}: not modelled by the planner")
+    if shape.seq_len % (2 * cp):
+        raise ConfigError(
+            f"--seq {shape.seq_len} is not divisible by 2 x --cp {cp} (head-tail chunks)"
+        )
+    if method == "alltoall" and shape.n_heads % (cp * layout.tp):
+        raise ConfigError(
+            f"--cp-method alltoall needs --heads {shape.n_heads} divisible by --cp {cp}"
+            + (f" x --tp {layout.tp}" if layout.tp > 1 else "")
+        )
 
 
 def _check_experts(layout: Layout, shape: GPTShape | None) -> None:

@@ -146,6 +146,7 @@ def activation_bytes_per_layer(
     recompute: str = "none",
     sdpa: bool = False,
     mlp_ratio: int = 4,
+    kv_seq: int | None = None,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, 16-bit activations.
 
@@ -158,15 +159,20 @@ def activation_bytes_per_layer(
 
     For MLP ratio r the 24 is 8 + 4r and the 34 is 18 + 4r (the MLP keeps its input,
     GELU input and output, and a dropout mask). sdpa drops the 5·a·s/h term
-    (softmax, its dropout mask and output are never materialised)."""
+    (softmax, its dropout mask and output are never materialised).
+
+    `kv_seq`: the keys a query attends over, where it differs from `seq` (context
+    parallelism: seq is a rank's s/cp tokens, kv_seq all s; the eager scores are
+    (s/cp) x s per head)."""
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    keys = s if kv_seq is None else kv_seq
     if recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
     sbh = s * b * h
     if recompute == "full":
         return 2.0 * sbh / (t if sequence_parallel else 1)
     sharded = 8 + 4 * mlp_ratio  # 24 at r = 4
-    scores = 0.0 if (sdpa or recompute == "selective") else 5.0 * a * s / h
+    scores = 0.0 if (sdpa or recompute == "selective") else 5.0 * a * keys / h
     if sequence_parallel:
         return sbh / t * (10 + sharded + scores)
     return sbh * (10 + sharded / t + scores / t)
@@ -222,6 +228,8 @@ def activation_memory_bytes(
     microbatches: int,
     schedule: str = "1f1b",
     pp_rank: int | None = None,
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> float:
     """Peak activation bytes on pipeline rank `pp_rank`; None: the rank holding the
     most (on an even split the first, or the last when its logits outweigh the first
@@ -229,7 +237,7 @@ def activation_memory_bytes(
     holds one layer more). See `rank_activation_bytes`."""
     ranks = pipeline_ranks(shape.n_layers, pp, virtual_stages if schedule != "gpipe" else 1)
     args = (micro_batch, tp, pp, virtual_stages, sequence_parallel, recompute, precision, sdpa,
-            microbatches, schedule)  # fmt: skip
+            microbatches, schedule, cp, cp_method)  # fmt: skip
     if pp_rank is not None:
         return rank_activation_bytes(shape, ranks[pp_rank], *args)
     return max(rank_activation_bytes(shape, stages, *args) for stages in ranks)
@@ -257,20 +265,31 @@ def rank_activation_bytes(
     sdpa: bool,
     microbatches: int,
     schedule: str = "1f1b",
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> float:
     """Peak activation bytes on the pipeline rank holding `stages`.
 
     Korthikanti's byte counts assume 16-bit activations; fp32 doubles them. With full
     recomputation one layer's complete activations also live during its backward. The
-    rank with the last stage adds the logits."""
+    rank with the last stage adds the logits.
+
+    Context parallelism (cp > 1): a rank holds s/cp tokens of each sequence, so every
+    term per token (and the logits) divides by cp; eager attention's scores are
+    (s/cp) x s. With the all-gather method one layer's gathered K and V of the whole
+    sequence, 2·b·s·kv/t·e, also live while it runs (ring and all-to-all hold blocks of
+    s/cp tokens only, not counted)."""
     scale = dtype_bytes(precision) / 2
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, sdpa=sdpa,
               mlp_ratio=activation_mlp_ratio(shape))  # fmt: skip
-    s, b, h, a = shape.seq_len, micro_batch, shape.d_model, shape.n_heads
+    s, b, h, a = shape.seq_len // cp, micro_batch, shape.d_model, shape.n_heads
+    kw["kv_seq"] = shape.seq_len
     per_layer = activation_bytes_per_layer(s, b, h, a, recompute=recompute, **kw)
     live_layer = 0.0
     if recompute == "full":
         live_layer = activation_bytes_per_layer(s, b, h, a, recompute="none", **kw)
+    if cp > 1 and cp_method == "allgather":
+        live_layer += 2.0 * 2 * b * shape.seq_len * shape.kv_width / tp  # 16-bit K and V
     layers = _rank_layers_in_flight(stages, pp, virtual_stages, schedule, microbatches)
     logits = logits_bytes(s, b, shape.vocab_size, tp, precision) if stages.head else 0.0
     return scale * (layers * per_layer + live_layer) + logits

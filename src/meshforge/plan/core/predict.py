@@ -188,7 +188,9 @@ def evaluate(
     check_layout(layout, training, shape, schedule)
     if layout.world_size != cluster.n_gpus:
         raise ConfigError(
-            f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} "
+            f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp}"
+            + (f" x cp={layout.cp}" if layout.cp > 1 else "")
+            + f" = {layout.world_size} "
             f"does not equal --gpus {cluster.n_gpus}"
         )
     precision = training.precision
@@ -261,6 +263,8 @@ def _stage_memory(
         training.sdpa,
         training.microbatches(layout.dp),
         schedule,
+        cp=layout.cp,
+        cp_method=layout.cp_method,
     )
     return _rank_memory(
         rank.total, rank.block, rank.root, activations, layout, training, cluster, convention,
@@ -293,7 +297,9 @@ def _rank_memory(
     experts = layers * expert_block
     held_experts = experts / layout.ep
     dense = rank_params - experts
-    states = model_state_bytes(dense, zero, layout.dp, precision, convention, training.optimizer)
+    # cp replicates the weights: their states shard over the dp x cp ranks holding them
+    states = model_state_bytes(dense, zero, layout.grad_dp, precision, convention,
+                               training.optimizer)  # fmt: skip
     if held_experts > 0:
         expert_states = model_state_bytes(
             held_experts, zero, layout.edp, precision, convention, training.optimizer

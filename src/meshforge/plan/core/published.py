@@ -102,6 +102,7 @@ class PublishedRun:
     also: dict[str, float] = field(default_factory=dict, hash=False)  # other published figures
     notes: str = ""  # assumptions, FLOP convention, caveats
     cp: int = 1  # context-parallel degree
+    cp_method: str = "allgather"  # how the cp ranks exchange K/V (layout.CP_METHODS)
     # dtype of the data-parallel gradient reduction as the source's code runs it: "fp32"
     # (Megatron with bf16, FSDP reduce_dtype fp32, Llama 3), "fp16" (Megatron-LM with
     # --fp16: grads reduced in the model dtype), "bf16" (FSDP mixed precision PURE)

@@ -36,6 +36,19 @@ micro-batch's all-to-all with another's compute: DeepSeek's DualPipe and Megatro
 --overlap-moe-expert-parallel-comm are not modelled). Routing is taken as balanced. The
 routed experts' gradients are reduced over the dp/ep ranks holding the same experts, the
 rest over dp, each overlapping the backward as above.
+
+Context parallelism (cp > 1; layout.py): each rank runs s/cp tokens of a sequence, so
+the TP collectives, pipeline sends and EP all-to-alls carry s/cp tokens, and exchanges
+K and V with the cp - 1 other ranks of its group (cp ranks tp apart: NVLink when
+cp·tp fits a node, else the network, as group_link gives any group), per layer and
+micro-batch (`cp_exchange_s`): allgather (Llama 3) gathers K and V forward and
+reduce-scatters their gradients backward; alltoall (Ulysses) runs three all-to-alls
+forward (q, k and v, the output) and three backward; both sit between the projections
+and the attention that needs them: exposed. ring passes K/V blocks round the ring in
+cp - 1 steps, each under the attention of the block before it: only what a step's
+transfer takes beyond its block's attention (1/cp of the layer's core) is exposed; the
+backward passes K/V and dK/dV (twice the bytes) under 1/cp of the backward core. Full
+recomputation repeats the forward exchange. Gradients are reduced over dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -48,6 +61,9 @@ from meshforge.plan.core.comm import (
     NETWORK_SCALING,
     NetworkScaling,
     collective_time,
+    cp_allgather_bytes,
+    cp_alltoall_bytes,
+    cp_ring_block_bytes,
     ep_alltoall_bytes,
     group_link,
 )
@@ -109,6 +125,7 @@ class StepTime:
     contention_s: float = 0.0
     slowest_pp_rank: int = 0  # the pipeline rank whose compute sets the pace (not seconds)
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls (exposed: the experts wait for them)
+    cp_comm_s: float = 0.0  # context-parallel K/V exchange not hidden under attention
 
     @property
     def step_s(self) -> float:
@@ -116,6 +133,7 @@ class StepTime:
             self.compute_s
             + self.tp_comm_s
             + self.ep_comm_s
+            + self.cp_comm_s
             + self.pp_comm_s
             + self.bubble_s
             + self.dp_comm_exposed_s
@@ -125,7 +143,8 @@ class StepTime:
 
     @property
     def exposed_comm_s(self) -> float:
-        return self.tp_comm_s + self.ep_comm_s + self.pp_comm_s + self.dp_comm_exposed_s
+        return (self.tp_comm_s + self.ep_comm_s + self.cp_comm_s + self.pp_comm_s
+                + self.dp_comm_exposed_s)  # fmt: skip
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)
@@ -162,6 +181,7 @@ class _RankTime:
     compute_s: float  # one micro-batch
     tp_s: float
     ep_s: float  # expert-parallel all-to-alls of one micro-batch
+    cp_s: float  # context-parallel K/V exchange of one micro-batch, exposed
     forward_s: float  # one micro-batch's forward compute (for the DP overlap)
     backward_s: float
 
@@ -256,14 +276,15 @@ def step_time(
     act_bytes = dtype_bytes(precision)
     device = cluster.device
     work = microbatch_work(shape, t, layout.sequence_parallel, b, precision,
-                           training.recompute, training.sdpa, device)  # fmt: skip
+                           training.recompute, training.sdpa, device, layout.cp)  # fmt: skip
+    local_seq = shape.seq_len // layout.cp  # a rank's tokens of each sequence
 
     # tensor parallel: 4 collectives of b·s·h per layer (6 with full recompute), one
     # for the vocabulary-parallel embedding, two around the head (gather, scatter)
     tp_one = 0.0
     if t > 1:
         bw, lat = group_link(cluster, t, 1, scaling)
-        size = b * shape.seq_len * shape.d_model * act_bytes
+        size = b * local_seq * shape.d_model * act_bytes
         tp_one = collective_time("all_reduce", size, t, bw, lat)
     per_layer = 4 + (2 if training.recompute == "full" else 0)
 
@@ -272,14 +293,14 @@ def step_time(
     ep_one = 0.0
     if layout.ep > 1 and shape.is_moe:
         bw, lat = group_link(cluster, layout.ep, layout.ep_stride, scaling)
-        size = ep_alltoall_bytes(b, shape.seq_len, shape.d_model, shape.top_k, t, act_bytes)
+        size = ep_alltoall_bytes(b, local_seq, shape.d_model, shape.top_k, t, act_bytes)
         ep_one = collective_time("all_to_all", size, layout.ep, bw, lat)
 
     # pipeline: activations forward and gradients backward, at each of v chunk boundaries
     pp_s = 0.0
     if p > 1:
         bw, lat = cluster.p2p_bandwidth(p, layout.pp_stride)
-        size = b * shape.seq_len * shape.d_model * act_bytes
+        size = b * local_seq * shape.d_model * act_bytes
         gather = 0.0
         if layout.sequence_parallel:
             size /= t  # the boundary tensor is sequence-sharded
@@ -288,6 +309,9 @@ def step_time(
             size /= t
         transfers = 2 if fw.pp_paired_transfers else 4
         pp_s = transfers * v * (size / bw + lat + gather)
+
+    cp_layer = cp_exchange_s(shape, layout, b, act_bytes, training.recompute, work, cluster,
+                             scaling)["exposed_s"]  # fmt: skip
 
     ranks = []
     models = rank_models(shape, t, p, v)
@@ -308,16 +332,20 @@ def step_time(
             matmuls = rank.layers * work.layer.total_s * (1.0 - work.memory_bound_fraction)
             tp_s = max(0.0, tp_s - matmuls)
         ep_s = rank.layers * shape.moe_share * per_layer * ep_one
-        ranks.append(_RankTime(rank, fwd + bwd, tp_s, ep_s, fwd, bwd))
-    slowest = max(ranks, key=lambda r: r.compute_s + r.tp_s + r.ep_s)
-    t_mb = slowest.compute_s + slowest.tp_s + slowest.ep_s + pp_s
+        cp_s = rank.layers * cp_layer
+        ranks.append(_RankTime(rank, fwd + bwd, tp_s, ep_s, cp_s, fwd, bwd))
+    slowest = max(ranks, key=lambda r: r.compute_s + r.tp_s + r.ep_s + r.cp_s)
+    t_mb = slowest.compute_s + slowest.tp_s + slowest.ep_s + slowest.cp_s + pp_s
     bubble = pipeline_bubble_ratio(p, m, v) * m * t_mb  # = (p-1)/v · t_mb
 
     # data-parallel traffic and the optimizer: the rank that finishes last
     dp_total, dp_exposed, opt_s = 0.0, 0.0, 0.0
     after_step = -1.0
     for r in ranks:
-        dp_group = DataParallelGroup(layout.dp, layout.dp_stride)
+        # weights are replicated over cp: gradients reduce over the dp x cp ranks (tp apart)
+        dp_group = DataParallelGroup(
+            layout.grad_dp, layout.tp if layout.cp > 1 else layout.dp_stride
+        )
         groups = [(r.model, dp_group)]
         if layout.ep > 1 and r.model.expert_block_params:
             rest, experts = r.model.split_experts(layout.ep)
@@ -340,6 +368,7 @@ def step_time(
         compute_s=m * slowest.compute_s,
         tp_comm_s=m * slowest.tp_s,
         ep_comm_s=m * slowest.ep_s,
+        cp_comm_s=m * slowest.cp_s,
         pp_comm_s=m * pp_s,
         bubble_s=bubble,
         dp_comm_exposed_s=dp_exposed,
@@ -351,6 +380,46 @@ def step_time(
     )
 
 
+def cp_exchange_s(
+    shape: GPTShape,
+    layout: Layout,
+    micro_batch: int,
+    act_bytes: float,
+    recompute: str,
+    work,
+    cluster: Cluster,
+    scaling: NetworkScaling = NETWORK_SCALING,
+) -> dict[str, float]:
+    """One layer's context-parallel K/V exchange for one micro-batch (module docstring):
+    {"total_s": the transfers' time, "exposed_s": what compute does not hide}. `work`:
+    the layer's MicrobatchWork (its attention core, for ring's overlap)."""
+    cp, t = layout.cp, layout.tp
+    if cp <= 1:
+        return {"total_s": 0.0, "exposed_s": 0.0}
+    bw, lat = group_link(cluster, cp, layout.cp_stride, scaling)
+    s, b = shape.seq_len, micro_batch
+    forwards = 2 if recompute == "full" else 1  # a recomputed forward exchanges again
+    if layout.cp_method == "allgather":
+        size = cp_allgather_bytes(b, s, shape.kv_width, t, act_bytes)
+        fwd = collective_time("all_gather", size, cp, bw, lat)
+        bwd = collective_time("reduce_scatter", size, cp, bw, lat)
+        total = forwards * fwd + bwd
+        return {"total_s": total, "exposed_s": total}
+    if layout.cp_method == "alltoall":
+        sizes = cp_alltoall_bytes(b, s, shape.q_width, shape.kv_width, t, cp, act_bytes)
+        one_pass = sum(collective_time("all_to_all", x, cp, bw, lat) for x in sizes)
+        total = (forwards + 1) * one_pass
+        return {"total_s": total, "exposed_s": total}
+    # ring: cp - 1 steps, each one neighbour transfer under one block's attention
+    block = cp_ring_block_bytes(b, s, shape.kv_width, t, cp, act_bytes)
+    step_fwd, step_bwd = block / bw + lat, 2.0 * block / bw + lat
+    core_fwd, core_bwd = work.attention.forward_s / cp, work.attention.backward_s / cp
+    steps = cp - 1
+    total = steps * (forwards * step_fwd + step_bwd)
+    exposed = steps * (forwards * max(0.0, step_fwd - core_fwd) + max(0.0, step_bwd - core_bwd))
+    return {"total_s": total, "exposed_s": exposed}
+
+
 def _optimizer_seconds(rank: RankModel, layout: Layout, training: Training, device) -> float:
     """Memory-bound: OPTIMIZER_BYTES_PER_PARAM per parameter the rank updates, plus the
     16-bit copy of the updated parameters in bf16/fp16 (a GPU curve: at its bandwidth
@@ -360,7 +429,7 @@ def _optimizer_seconds(rank: RankModel, layout: Layout, training: Training, devi
     params = rank.params
     if layout.zero == 0 and layout.ep > 1:
         params -= rank.layers * rank.expert_block_params * (1.0 - 1.0 / layout.ep)
-    updated = params / (layout.dp if layout.zero >= 1 else 1)
+    updated = params / (layout.grad_dp if layout.zero >= 1 else 1)
     per_param = OPTIMIZER_BYTES_PER_PARAM[training.optimizer]
     bw = device.memory_bandwidth_bytes_per_s
     if device.curve.scope == "matmul":

@@ -102,9 +102,9 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
         shared_experts=run.shared_experts, dense_layers=run.dense_layers,
     )  # fmt: skip
     virtual = min(run.virtual_stages, run.layers // run.pp)  # no layer-less chunks
-    layout = Layout(dp=run.dp * run.cp, tp=run.tp, pp=run.pp, zero=run.zero,
-                    virtual_stages=virtual,
-                    sequence_parallel=run.sequence_parallel, ep=run.ep)  # fmt: skip
+    layout = Layout(dp=run.dp, tp=run.tp, pp=run.pp, zero=run.zero,
+                    virtual_stages=virtual, sequence_parallel=run.sequence_parallel,
+                    ep=run.ep, cp=run.cp, cp_method=run.cp_method)  # fmt: skip
 
     def trainings(b: int) -> tuple[Training, ...]:
         def training(recompute: str) -> Training:
@@ -139,7 +139,7 @@ def planner_inputs(run: PublishedRun, curve: ComputeCurve | None = None) -> Inpu
     if run.micro_batch is not None:
         return x
     # not published: the fastest micro-batch that fits (module docstring)
-    per_rank = run.global_batch // (run.dp * run.cp)
+    per_rank = run.global_batch // run.dp  # cp takes no share of the batch
     options = [replace(x, trainings=trainings(b))
                for b in (2**k for k in range(per_rank.bit_length()))
                if per_rank % b == 0 and _fits(replace(x, trainings=trainings(b)))]  # fmt: skip
@@ -167,8 +167,6 @@ def _step_s(x: Inputs, scaling: NetworkScaling) -> float:
 
 def supported(run: PublishedRun) -> str | None:
     """Why the planner cannot represent `run`, or None."""
-    if run.cp > 1:
-        return "context parallelism (cp > 1) is not in the planner's layouts"
     if run.ep > 1 and (run.dp * run.cp) % run.ep:
         return (f"experts folded over tp x dp (ep {run.ep} does not divide dp {run.dp}): the "
                 "planner's ep is a divisor of dp")  # fmt: skip
@@ -178,7 +176,17 @@ def supported(run: PublishedRun) -> str | None:
 def fitted(run: PublishedRun) -> bool:
     """Whether `run` enters the fit and the ±20% bound: the planner represents it, on
     hardware of its catalogue (an excluded row is still predicted and shown)."""
-    return supported(run) is None and run.excluded is None
+    return supported(run) is None and run.excluded is None and run.cp == 1
+
+
+# the long-context (cp > 1) rows enter no fit: they are checked held out, in their own
+# table (plan/core/published_cp.py, `cp_validation_table`)
+CP_HELD_OUT = "context parallelism: held out of the fit, in the cp table (Context parallelism)"
+
+
+def _unsupported(run: PublishedRun) -> str | None:
+    """Why the dense table does not predict `run`: not representable, or a cp row."""
+    return supported(run) or (CP_HELD_OUT if run.cp > 1 else None)
 
 
 def _sdpa(run: PublishedRun) -> bool:
@@ -327,14 +335,14 @@ def validation_table(runs: tuple[PublishedRun, ...] = PUBLISHED_RUNS) -> list[Ro
     usable = tuple(r for r in runs if fitted(r))
     everything = fit(usable)
     held = {}
-    for source in dict.fromkeys(r.source for r in runs if supported(r) is None):
+    for source in dict.fromkeys(r.source for r in runs if _unsupported(r) is None):
         constants = fit(tuple(r for r in usable if r.source != source))
         for run in runs:
-            if run.source == source and supported(run) is None:
+            if run.source == source and _unsupported(run) is None:
                 held[run] = _predict(run, constants)
     rows = []
     for run in runs:
-        why = supported(run)
+        why = _unsupported(run)
         if why is not None:
             rows.append(Row(run, None, None, None, None, why))
             continue
@@ -357,6 +365,37 @@ def moe_validation_table(runs: tuple[PublishedRun, ...] = PUBLISHED_MOE_RUNS) ->
         error = throughput_error(run, value)
         rows.append(Row(run, value, error, value, error, None))
     return rows
+
+
+def cp_validation_table(runs: tuple[PublishedRun, ...] | None = None) -> list[Row]:
+    """The long-context rows (plan/core/published_cp.py), none of them fitted on:
+    `predicted` with the shipped constants (the fit on the dense cp-1 runs), and
+    `held_out_predicted` with the constants fitted without the row's source at all."""
+    from meshforge.plan.core.published_cp import PUBLISHED_CP_RUNS
+
+    runs = PUBLISHED_CP_RUNS if runs is None else runs
+    usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))
+    rows = []
+    for run in runs:
+        why = supported(run)
+        if why is not None:
+            rows.append(Row(run, None, None, None, None, why))
+            continue
+        value = predicted_value(run, predicted_step_s(run))
+        held = _predict(run, fit(tuple(r for r in usable if r.source != run.source)))
+        rows.append(Row(run, value, throughput_error(run, value), *held, None))
+    return rows
+
+
+def cp_markdown(rows: list[Row]) -> str:
+    """The docs' context-parallel table (docs/planner.md, "Context parallelism")."""
+    out = _markdown_rows(rows)
+    kept = [r for r in rows if r.error is not None]
+    errors = ", ".join(
+        f"{r.run.name} {100 * r.error:+.1f}% (source held out: {100 * r.held_out_error:+.1f}%)"
+        for r in kept
+    )
+    return out + f"\n\nNot fitted on (the fit is the dense cp-1 runs): {errors}."
 
 
 def moe_markdown(rows: list[Row]) -> str:
@@ -420,7 +459,7 @@ def _micro_batch(run: PublishedRun) -> str:
     publish one and the planner chose it (module docstring)."""
     if run.micro_batch is not None:
         return str(run.micro_batch)
-    if supported(run) is not None:
+    if _unsupported(run) is not None and not (run.cp > 1 and supported(run) is None):
         return "–"
     return f"{_inputs(run).trainings[0].micro_batch} (chosen)"
 
@@ -468,8 +507,12 @@ if __name__ == "__main__":  # python -m meshforge.plan.core.validation [--markdo
     )
     ap.add_argument("--markdown", action="store_true", help="the constants too, as in the docs")
     ap.add_argument("--moe", action="store_true", help="the mixture-of-experts rows only")
+    ap.add_argument("--cp", action="store_true", help="the context-parallel rows only")
     args = ap.parse_args()
     try:
+        if args.cp:
+            print(cp_markdown(cp_validation_table()))
+            raise SystemExit(0)
         if args.moe:
             print(moe_markdown(moe_validation_table()))
             raise SystemExit(0)

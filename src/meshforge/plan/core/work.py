@@ -43,13 +43,18 @@ gradient read, fp32 rows accumulated). Recomputation repeats forward work inside
 backward: full, the whole layer forward; selective, the attention core (Korthikanti et
 al. 2205.05198).
 
+Context parallelism (cp > 1): a rank runs s/cp tokens of each sequence through every
+matmul and memory-bound kernel; its queries attend over all s keys, and the head-tail
+split (each rank a chunk from each end) gives every rank 1/cp of the causal work: the
+attention core is 2·b·(s/cp)·s·q/t forward with sdpa (4·b·(s/cp)·s·q/t eager).
+
 A measured profile's curve (scope "all") already holds the memory-bound kernels: it
 times each layer's Megatron-convention hardware FLOPs (flops.py) through the curve.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshforge.plan.core.efficiency import matmul_unit_flops
 from meshforge.plan.core.flops import GPTShape, microbatch_flops
@@ -74,6 +79,9 @@ class MicrobatchWork:
     head: PassSeconds  # the last stage's final norm, logits and loss
     fraction_of_peak: float  # f(W) of the matmul curve at this size
     memory_bound_fraction: float  # share of a layer's time in memory-bound kernels
+    # the attention core (QK^T, softmax, AV) of one layer, forward and backward (what ring
+    # attention's K/V transfers hide under)
+    attention: PassSeconds = PassSeconds(0.0, 0.0)
 
 
 def _eager_s2_bytes(e: float, dropout: bool) -> tuple[float, float]:
@@ -82,9 +90,19 @@ def _eager_s2_bytes(e: float, dropout: bool) -> tuple[float, float]:
     return fwd, bwd
 
 
-def layer_bytes(shape: GPTShape, tp: int, sp: bool, e: float, micro_batch: int, sdpa: bool):
+def layer_bytes(
+    shape: GPTShape,
+    tp: int,
+    sp: bool,
+    e: float,
+    micro_batch: int,
+    sdpa: bool,
+    kv_seq: int | None = None,
+):
     """(forward, backward, attention-core forward) bytes one layer moves per
-    micro-batch on one rank, outside its matmuls (table in the module docstring)."""
+    micro-batch on one rank, outside its matmuls (table in the module docstring).
+    `kv_seq`: the keys each query attends over (context parallelism: all s, where
+    shape.seq_len is the rank's s/cp)."""
     h, f, t = shape.d_model, shape.active_mlp_width, tp
     h_n = h / t if sp else h
     dropout = shape.family == "gpt"
@@ -106,7 +124,8 @@ def layer_bytes(shape: GPTShape, tp: int, sp: bool, e: float, micro_batch: int, 
     tokens = micro_batch * shape.seq_len
     core = 0.0
     if not sdpa:
-        s2 = micro_batch * (shape.n_heads / t) * shape.seq_len**2
+        keys = shape.seq_len if kv_seq is None else kv_seq
+        s2 = micro_batch * (shape.n_heads / t) * shape.seq_len * keys
         core_f, core_b = _eager_s2_bytes(e, dropout)
         core = s2 * core_f
         fwd, bwd = fwd * tokens + core, bwd * tokens + s2 * core_b
@@ -123,14 +142,22 @@ def microbatch_work(
     recompute: str,
     sdpa: bool,
     device,
+    cp: int = 1,
 ) -> MicrobatchWork:
     """Seconds of one micro-batch, per layer / embedding / head, on one rank of `device`
-    (a hardware.DeviceSpec)."""
+    (a hardware.DeviceSpec); `cp`: the context-parallel degree (module docstring)."""
+    full_seq = shape.seq_len
+    if cp > 1:
+        shape = replace(shape, seq_len=full_seq // cp)  # the rank's tokens
     b, s, h, t = micro_batch, shape.seq_len, shape.d_model, tp
     peak, curve = device.peak(precision), device.curve
     unit = matmul_unit_flops(b, s, h, shape.active_mlp_width / h, t)
     frac = curve.fraction(unit, peak)
     flops = microbatch_flops(shape, b)
+    if cp > 1:  # queries of s/cp tokens against all s keys: the core x cp
+        core_all = flops.attention_core_forward * cp
+        flops = replace(flops, attention_core_forward=core_all,
+                        layer_forward=flops.layer_forward + core_all * (cp - 1) / cp)  # fmt: skip
     if curve.scope == "all":  # a measured machine: Megatron-convention FLOPs over the curve
         rate = peak * frac
         core = 3.0 * flops.attention_core_forward if recompute == "selective" else 0.0
@@ -138,16 +165,19 @@ def microbatch_work(
         layer = PassSeconds(flops.layer_forward / t / rate,
                             (2 * flops.layer_forward + extra) / t / rate)  # fmt: skip
         head = PassSeconds(flops.logits_forward / t / rate, 2 * flops.logits_forward / t / rate)
-        return MicrobatchWork(layer, PassSeconds(0.0, 0.0), head, frac, 0.0)
+        core_s = flops.attention_core_forward / t / rate
+        return MicrobatchWork(layer, PassSeconds(0.0, 0.0), head, frac, 0.0,
+                              PassSeconds(core_s, 2 * core_s))  # fmt: skip
 
     e = 2.0 if precision in ("bf16", "fp16") else 4.0
     bw = curve.bandwidth_fraction * device.memory_bandwidth_bytes_per_s
     mm_rate = peak * frac
     mm_fwd = 2.0 * b * s * shape.active_block_matrices() / t / mm_rate  # experts: active
-    fwd_b, bwd_b, core_b = layer_bytes(shape, t, sequence_parallel, e, b, sdpa)
+    fwd_b, bwd_b, core_b = layer_bytes(shape, t, sequence_parallel, e, b, sdpa, full_seq)
     if sdpa:
         attn_rate = curve.attention_fraction * peak
-        core_fwd = 2.0 * b * s * s * shape.q_width / t / attn_rate  # causal half of 4·b·s²·h
+        # the causal half of 4·b·s²·h (with cp: of 4·b·(s/cp)·s·h, balanced by head-tail)
+        core_fwd = 2.0 * b * s * full_seq * shape.q_width / t / attn_rate
         core_bwd = 2.5 * core_fwd
     else:
         core_fwd = flops.attention_core_forward / t / mm_rate + core_b / bw
@@ -171,4 +201,5 @@ def microbatch_work(
     position = 3 * e * h if shape.family == "gpt" else 0.0
     embedding = PassSeconds(tokens * (2 * e * h + position) / bw, tokens * (e + 8) * h / bw)
     layer = PassSeconds(fwd, bwd)
-    return MicrobatchWork(layer, embedding, head, frac, memory_s / (fwd + bwd))
+    return MicrobatchWork(layer, embedding, head, frac, memory_s / (fwd + bwd),
+                          PassSeconds(core_fwd, core_bwd))  # fmt: skip

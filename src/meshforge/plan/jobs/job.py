@@ -192,9 +192,11 @@ class JobPlan:
 
     @property
     def world_size(self) -> int | None:
-        """dp x tp x pp when the job (or a flag) gives all three."""
+        """dp x tp x pp (x cp) when the job (or a flag) gives all three."""
         c = self.choice
-        return None if None in (c.dp, c.tp, c.pp) else c.dp * c.tp * c.pp  # type: ignore[operator]
+        if None in (c.dp, c.tp, c.pp):
+            return None
+        return c.dp * c.tp * c.pp * (c.cp or 1)  # type: ignore[operator]
 
     def layout_fields(self) -> dict[str, str]:
         return layout_fields(self.choice)
@@ -242,8 +244,9 @@ class JobPlan:
         schedule = "interleaved_1f1b" if lay.virtual_stages > 1 else p.pp_schedule
         if lay.pp > 1 and schedule not in _MODELLED_SCHEDULES:
             raise ConfigError(f"the planner does not model parallel.pp_schedule={schedule}")
+        # the trainer has no cp yet: its rules see the dp x cp ranks as data parallel
         parallel = p.model_copy(
-            update={"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            update={"dp": lay.dp * lay.cp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                     "sequence_parallel": lay.sequence_parallel, "pp_schedule": schedule,
                     "virtual_stages": lay.virtual_stages, "ep": lay.ep}
         )  # fmt: skip
@@ -258,9 +261,12 @@ class JobPlan:
 
 
 def layout_fields(choice: LayoutChoice, searched: str = "searched") -> dict[str, str]:
-    """{"dp": "given" | "searched", ...}: which layout fields the user fixed."""
+    """{"dp": "given" | "searched", ...}: which layout fields the user fixed. The
+    context-parallel fields (cp, cp_method) are listed only where given (cp above 1)."""
     return {
-        f.name: "given" if getattr(choice, f.name) is not None else searched for f in fields(choice)
+        f.name: "given" if getattr(choice, f.name) is not None else searched
+        for f in fields(choice)
+        if f.name not in ("cp", "cp_method") or getattr(choice, f.name) not in (None, 1)
     }
 
 
@@ -273,7 +279,7 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
     named_train = t.model_fields_set
     recompute = t.activation_checkpointing if "activation_checkpointing" in named_train else None
     if cfg.parallel == "auto":
-        return LayoutChoice(recompute=recompute)
+        return LayoutChoice(recompute=recompute, cp=1)
     p: ParallelConfig = cfg.parallel
     named = p.model_fields_set
 
@@ -295,6 +301,7 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
         recompute=recompute,
         sequence_parallel=given("sequence_parallel"),
         ep=given("ep"),
+        cp=1,  # the trainer has no context parallelism (parallel.cp) yet
     )
 
 
@@ -326,6 +333,11 @@ def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPla
     planner cannot model: a user's factory model, parameter-server mode, a GPipe or
     ZB-V pipeline."""
     _collective_only(cfg)
+    if flags.cp not in (None, 1) or flags.cp_method is not None:
+        raise ConfigError(
+            "--cp/--cp-method with --config: meshforge's trainer has no context parallelism "
+            "(parallel.cp) yet; plan cp from flags (--model or --layers ...)"
+        )
     shape = shape_of(cfg)
     choice = job_choice(cfg)
     overrides = {f.name: getattr(flags, f.name) for f in fields(flags)}

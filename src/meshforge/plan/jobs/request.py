@@ -275,11 +275,11 @@ def preset_refusal(
 
 
 def world_size_from(gpus: int | None, choice: LayoutChoice) -> int:
-    """--gpus, or dp x tp x pp when all three are given."""
+    """--gpus, or dp x tp x pp (x cp) when all three are given."""
     if gpus is not None:
         return gpus
     if choice.dp is not None and choice.tp is not None and choice.pp is not None:
-        return choice.dp * choice.tp * choice.pp
+        return choice.dp * choice.tp * choice.pp * (choice.cp or 1)
     raise ConfigError("--gpus is required unless --dp, --tp and --pp are all given")
 
 
