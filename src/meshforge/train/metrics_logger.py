@@ -21,7 +21,7 @@ from meshforge.observe.console import TrainingProgress, status_text
 from meshforge.observe.expert_load import hot_expert_cause
 from meshforge.observe.memhealth import memory_advice
 from meshforge.observe.memory import peak_memory_bytes
-from meshforge.observe.metrics import JsonlSink
+from meshforge.observe.metrics import JsonlSink, is_tail
 from meshforge.observe.peak import PeakFlops, detect_peak_flops
 from meshforge.observe.sampler import SystemSampler, sampler_path
 from meshforge.observe.sinks import Guarded, Sinks, open_sinks
@@ -348,7 +348,7 @@ def _where(sinks: Sinks, run_dir: Path) -> list[str]:
 def _last_logged_step(path: Path) -> int | None:
     """The newest step in metrics.jsonl (None when there is none to read)."""
     try:
-        steps = [r.get("step") for r in read_jsonl(path)]
+        steps = [r.get("step") for r in read_jsonl(path) if not is_tail(r)]  # W&B has no tails
     except (OSError, ValueError):
         return None
     return max((int(s) for s in steps if isinstance(s, int | float)), default=None)
