@@ -70,6 +70,7 @@ _CORPUS_VERSION = 1  # bump when the selection or layout of the corpus changes
 BIN_DTYPE = np.dtype("<u2")  # nanoGPT's train.bin / val.bin: raw little-endian uint16 ids
 BIN_SPLITS = ("train.bin", "val.bin")
 BIN_SCAN_TOKENS = 2**27  # .bin files up to this many tokens are checked for ids >= vocab_size
+SEPARATOR_SCAN_TOKENS = 2**22  # tokens searched for an end-of-text token (document masking)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.:-]*://")
 _COPY_CHUNK_BYTES = 8 * 2**20
 # fsspec protocols and the pip package that brings each one's backend
@@ -490,6 +491,37 @@ def check_source(source: str) -> None:
         for name in BIN_SPLITS:
             if (local.path / name).exists():  # type: ignore[operator]
                 _open_bin(local.path / name, source)  # type: ignore[operator]
+
+
+def end_of_text_id(source: str, cache_dir: str | os.PathLike[str] | None = None) -> int:
+    """The token that ends a document in ``source``, where ``data.document_masking`` cuts
+    its sequences: the byte tokenizer's ``DOCUMENT_SEPARATOR`` for the built-in corpus
+    (written between its files), the ``eod_id`` of the tokenizer a shard directory's
+    index records. DataError, naming the source, when none is known (a ``.bin`` file
+    records no tokenizer) or when the first ``SEPARATOR_SCAN_TOKENS`` tokens hold none:
+    the data is then not documents packed by ``meshforge data prepare``, and masking
+    would silently do nothing."""
+    local = _resolve(source, cache_dir)
+    if local.kind == "builtin":
+        return DOCUMENT_SEPARATOR[0]
+    if local.kind != "shards":
+        raise DataError(
+            f"data.source {source}: a .bin token file records no tokenizer, so no end-of-text "
+            "token is known for data.document_masking (make shards with `meshforge data "
+            "prepare`, which writes one after each document)"
+        )
+    tokens = load_shards(local.path, context=f"data.source {source}")  # type: ignore[arg-type]
+    tokenizer = tokens.tokenizer
+    if tokenizer is None:
+        raise DataError(f"data.source {source}: its index records no tokenizer")
+    eod = int(tokenizer.eod_id)
+    window = np.asarray(tokens[: min(len(tokens), SEPARATOR_SCAN_TOKENS)])
+    if not (window == eod).any():
+        raise DataError(
+            f"data.source {source}: no end-of-text token (id {eod}) in its first "
+            f"{len(window)} tokens; data.document_masking needs documents ended by it"
+        )
+    return eod
 
 
 def load_tokens(
