@@ -63,10 +63,13 @@ def test_masking_changes_what_world_1_learns_from_packed_documents(gloo, short_d
     assert out["losses"][1] != pytest.approx(reference[1], rel=1e-4)
 
 
+PS = {"mode": "parameter_server", "ps": {"servers": 1}}  # one worker, one server
+
+
 @pytest.mark.parametrize(
     "parallel",
-    [{"zero": 0}, {"zero": 3}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}],
-    ids=["dp2", "zero3-dp2", "tp2", "tp2-sp"],
+    [{"zero": 0}, {"zero": 3}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}, PS],
+    ids=["dp2", "zero3-dp2", "tp2", "tp2-sp", "parameter-server"],
 )
 def test_masked_training_at_world_2_matches_world_1(gloo, short_docs, reference, parallel):
     results = gloo.run(2, train_layout, _masked(parallel, short_docs), STEPS)
