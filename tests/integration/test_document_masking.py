@@ -131,3 +131,14 @@ def test_a_bin_file_is_refused_it_records_no_tokenizer(tmp_path):
     (np.arange(4096) % 256).astype("<u2").tofile(path)
     proc = _refused(tmp_path, {"data": {"source": str(path)}})
     assert_one_line_error(proc, f"data.source {path}", "records no tokenizer")
+
+
+def test_masked_llama_under_tensor_and_sequence_parallel_matches_world_1(gloo, short_docs):
+    """Rotary angles from the positions inside documents, the mask replicated over tp."""
+    raw = _masked({}, short_docs)
+    raw["model"] = {"name": "llama", "vocab_size": 256, "d_model": 32, "n_layers": 2,
+                    "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64, "seq_len": 32}  # fmt: skip
+    (ref,) = gloo.run(1, train_layout, raw, STEPS)
+    raw["parallel"] = {"tp": 2, "sequence_parallel": True}
+    for out in gloo.run(2, train_layout, raw, STEPS):
+        assert_same_losses(out["losses"], ref["losses"], "llama tp2-sp", RTOL)
