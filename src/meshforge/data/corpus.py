@@ -55,8 +55,21 @@ from typing import Any
 
 import numpy as np
 
-from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards
-from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, TOKEN_DTYPE, VOCAB_SIZE, encode_bytes
+from meshforge.data.shards import (
+    DTYPES,
+    INDEX_NAME,
+    ShardedTokens,
+    check_shard,
+    load_shards,
+    read_index,
+)
+from meshforge.data.tokenizer import (
+    DOCUMENT_SEPARATOR,
+    TOKEN_DTYPE,
+    VOCAB_SIZE,
+    encode_bytes,
+    tokenizer_from_index,
+)
 from meshforge.errors import DataError
 from meshforge.fileio import atomic_writer, write_bytes_atomic
 from meshforge.redact import is_redacted, redact_url
@@ -510,18 +523,24 @@ def end_of_text_id(source: str, cache_dir: str | os.PathLike[str] | None = None)
             "token is known for data.document_masking (make shards with `meshforge data "
             "prepare`, which writes one after each document)"
         )
-    tokens = load_shards(local.path, context=f"data.source {source}")  # type: ignore[arg-type]
-    tokenizer = tokens.tokenizer
-    if tokenizer is None:
-        raise DataError(f"data.source {source}: its index records no tokenizer")
-    eod = int(tokenizer.eod_id)
-    window = np.asarray(tokens[: min(len(tokens), SEPARATOR_SCAN_TOKENS)])
-    if not (window == eod).any():
-        raise DataError(
-            f"data.source {source}: no end-of-text token (id {eod}) in its first "
-            f"{len(window)} tokens; data.document_masking needs documents ended by it"
-        )
-    return eod
+    root, context = local.path, f"data.source {source}"
+    index = read_index(root, context)  # type: ignore[arg-type]
+    eod = int(tokenizer_from_index(index["tokenizer"], root).eod_id)  # type: ignore[arg-type]
+    dtype, seen = DTYPES[index["dtype"]], 0
+    for entry in index["shards"]:  # the first shards only: each is checked as the loader does
+        if seen >= SEPARATOR_SCAN_TOKENS:
+            break
+        if not entry["tokens"]:
+            continue
+        path = check_shard(root, entry, dtype, context)  # type: ignore[arg-type]
+        n = min(entry["tokens"], SEPARATOR_SCAN_TOKENS - seen)
+        if (np.memmap(path, dtype=dtype, mode="r", shape=(n,)) == eod).any():
+            return eod
+        seen += n
+    raise DataError(
+        f"data.source {source}: no end-of-text token (id {eod}) in its first {seen} tokens; "
+        "data.document_masking needs documents ended by it"
+    )
 
 
 def load_tokens(
