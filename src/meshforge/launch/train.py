@@ -42,7 +42,8 @@ def check_model(cfg: JobConfig) -> None:
 
 def check_data(cfg: JobConfig) -> None:
     """data.source can be read, and the model has an id for every token in it (a shard
-    directory's index says how many its tokenizer has; no shard is opened)."""
+    directory's index says how many its tokenizer has; no shard is opened); with
+    data.document_masking, its first tokens hold the end-of-text token."""
     check_source(cfg.data.source)
     if cfg.data.document_masking:  # its end-of-text token is known, and in the data
         end_of_text_id(cfg.data.source, cfg.data.cache_dir)
