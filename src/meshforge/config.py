@@ -270,6 +270,9 @@ class DataConfig(_Section):
     # Warn, naming data.source, when waiting for data takes more than this share of
     # the step (over a logged interval after the first).
     wait_warning: float = Field(0.1, gt=0, le=1)
+    # Keep attention inside the documents packed into a sequence (cut after each
+    # end-of-text token of the data's tokenizer) and restart positions in each one.
+    document_masking: bool = False
 
 
 class CommConfig(_Section):
@@ -656,6 +659,7 @@ class JobConfig(_Section):
             compile=self.train.compile,
             global_batch=self.train.global_batch,
             micro_batch=self.train.micro_batch,
+            document_masking=self.data.document_masking,
         )
 
     def dims(self, world_size: int) -> ParallelDims:

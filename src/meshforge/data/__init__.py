@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the eager names, for type checkers and IDEs
         TokenSplits,
         cache_dir,
         check_source,
+        end_of_text_id,
         load_tokens,
         split_tokens,
     )
@@ -56,6 +57,7 @@ _EXPORTS = {
     "split_tokens": "corpus",
     "cache_dir": "corpus",
     "check_source": "corpus",
+    "end_of_text_id": "corpus",
     "INDEX_FORMAT": "shards",
     "DEFAULT_SHARD_TOKENS": "shards",
     "ShardedTokens": "shards",
@@ -85,6 +87,7 @@ __all__ = [
     "check_source",
     "decode",
     "encode",
+    "end_of_text_id",
     "global_batch_offsets",
     "load_shards",
     "load_tokens",

@@ -55,8 +55,21 @@ from typing import Any
 
 import numpy as np
 
-from meshforge.data.shards import INDEX_NAME, ShardedTokens, load_shards
-from meshforge.data.tokenizer import DOCUMENT_SEPARATOR, TOKEN_DTYPE, VOCAB_SIZE, encode_bytes
+from meshforge.data.shards import (
+    DTYPES,
+    INDEX_NAME,
+    ShardedTokens,
+    check_shard,
+    load_shards,
+    read_index,
+)
+from meshforge.data.tokenizer import (
+    DOCUMENT_SEPARATOR,
+    TOKEN_DTYPE,
+    VOCAB_SIZE,
+    encode_bytes,
+    tokenizer_from_index,
+)
 from meshforge.errors import DataError
 from meshforge.fileio import atomic_writer, write_bytes_atomic
 from meshforge.redact import is_redacted, redact_url
@@ -70,6 +83,7 @@ _CORPUS_VERSION = 1  # bump when the selection or layout of the corpus changes
 BIN_DTYPE = np.dtype("<u2")  # nanoGPT's train.bin / val.bin: raw little-endian uint16 ids
 BIN_SPLITS = ("train.bin", "val.bin")
 BIN_SCAN_TOKENS = 2**27  # .bin files up to this many tokens are checked for ids >= vocab_size
+SEPARATOR_SCAN_TOKENS = 2**22  # tokens searched for an end-of-text token (document masking)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.:-]*://")
 _COPY_CHUNK_BYTES = 8 * 2**20
 # fsspec protocols and the pip package that brings each one's backend
@@ -490,6 +504,43 @@ def check_source(source: str) -> None:
         for name in BIN_SPLITS:
             if (local.path / name).exists():  # type: ignore[operator]
                 _open_bin(local.path / name, source)  # type: ignore[operator]
+
+
+def end_of_text_id(source: str, cache_dir: str | os.PathLike[str] | None = None) -> int:
+    """The token that ends a document in ``source``, where ``data.document_masking`` cuts
+    its sequences: the byte tokenizer's ``DOCUMENT_SEPARATOR`` for the built-in corpus
+    (written between its files), the ``eod_id`` of the tokenizer a shard directory's
+    index records. DataError, naming the source, when none is known (a ``.bin`` file
+    records no tokenizer) or when the first ``SEPARATOR_SCAN_TOKENS`` tokens hold none:
+    the data is then not documents packed by ``meshforge data prepare``, and masking
+    would silently do nothing."""
+    local = _resolve(source, cache_dir)
+    if local.kind == "builtin":
+        return DOCUMENT_SEPARATOR[0]
+    if local.kind != "shards":
+        raise DataError(
+            f"data.source {source}: a .bin token file records no tokenizer, so no end-of-text "
+            "token is known for data.document_masking (make shards with `meshforge data "
+            "prepare`, which writes one after each document)"
+        )
+    root, context = local.path, f"data.source {source}"
+    index = read_index(root, context)  # type: ignore[arg-type]
+    eod = int(tokenizer_from_index(index["tokenizer"], root).eod_id)  # type: ignore[arg-type]
+    dtype, seen = DTYPES[index["dtype"]], 0
+    for entry in index["shards"]:  # the first shards only: each is checked as the loader does
+        if seen >= SEPARATOR_SCAN_TOKENS:
+            break
+        if not entry["tokens"]:
+            continue
+        path = check_shard(root, entry, dtype, context)  # type: ignore[arg-type]
+        n = min(entry["tokens"], SEPARATOR_SCAN_TOKENS - seen)
+        if (np.memmap(path, dtype=dtype, mode="r", shape=(n,)) == eod).any():
+            return eod
+        seen += n
+    raise DataError(
+        f"data.source {source}: no end-of-text token (id {eod}) in its first {seen} tokens; "
+        "data.document_masking needs documents ended by it"
+    )
 
 
 def load_tokens(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshforge.config import JobConfig, load_config, save_config
-from meshforge.data.corpus import BUILTIN_PREFIX, check_source, load_tokens
+from meshforge.data.corpus import BUILTIN_PREFIX, check_source, end_of_text_id, load_tokens
 from meshforge.errors import ConfigError
 from meshforge.launch.rundir import check_earlier_run, outputs_of
 from meshforge.plan.jobs.auto import resolve_parallel_auto
@@ -42,8 +42,11 @@ def check_model(cfg: JobConfig) -> None:
 
 def check_data(cfg: JobConfig) -> None:
     """data.source can be read, and the model has an id for every token in it (a shard
-    directory's index says how many its tokenizer has; no shard is opened)."""
+    directory's index says how many its tokenizer has; no shard is opened); with
+    data.document_masking, its first tokens hold the end-of-text token."""
     check_source(cfg.data.source)
+    if cfg.data.document_masking:  # its end-of-text token is known, and in the data
+        end_of_text_id(cfg.data.source, cfg.data.cache_dir)
     path = Path(cfg.data.source).expanduser()
     if not (path / "index.json").is_file():
         if cfg.data.source.startswith(BUILTIN_PREFIX):

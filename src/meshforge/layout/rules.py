@@ -79,6 +79,7 @@ JOB_NAMES = Names(
         "compile": "train.compile",
         "global_batch": "train.global_batch",
         "micro_batch": "train.micro_batch",
+        "document_masking": "data.document_masking",
     }
 )
 
@@ -123,6 +124,7 @@ class LayoutRequest:
     compile: bool = False
     global_batch: int | None = None
     micro_batch: int | None = None
+    document_masking: bool = False  # attention kept inside each packed document
 
 
 def check(
@@ -324,6 +326,16 @@ def _trainer_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
         )
     if req.compile and (pp > 1 or tp > 1):
         out.append(f"{n.show('compile', True)} is supported with tp=1 and pp=1 only")
+    if req.document_masking and shape.factory is not None:
+        out.append(
+            f"{n.show('document_masking', True)} needs meshforge's gpt or llama, not "
+            f"{n.show('model', shape.factory)} (its forward takes no documents)"
+        )
+    if req.document_masking and pp > 1:
+        out.append(
+            f"{n.show('document_masking', True)} is not yet supported under a pipeline "
+            f"({n.show('pp', pp)}): its stages pass hidden states only"
+        )
     if req.servers is not None and req.dtype == "fp16":
         out.append(
             f"{n.show('dtype', 'fp16')} with {n.show('mode', 'parameter_server')} is not "

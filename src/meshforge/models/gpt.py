@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.attention import Documents, attend
+
 
 @dataclass(frozen=True)
 class GPTArgs:
@@ -53,14 +55,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # (b, s, heads*head_dim) -> (b, heads, s, head_dim); "-1": the heads this shard holds
         q, k, v = (
             lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
         )
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = attend(q, k, v, docs, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -96,13 +98,15 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg.d_model, cfg.mlp_ratio)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        # docs by keyword: a tensor-parallel plan prepares attn's positional input only
+        x = x + self.attn(self.ln1(x), docs=docs)
         return x + self.mlp(self.ln2(x))
 
 
 class Embeddings(nn.Module):
-    """Token + learned position embeddings, then dropout."""
+    """Token + learned position embeddings, then dropout; `positions` (b, s) when given
+    (positions inside documents), else 0..s-1."""
 
     def __init__(self, cfg: GPTArgs) -> None:
         super().__init__()
@@ -110,8 +114,8 @@ class Embeddings(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -152,12 +156,21 @@ class DecoderLM(nn.Module):
         if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.weight = self.embed.tok.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         """Token ids (b, s) -> logits (b, s, vocab); a pipeline stage without the
-        embeddings takes hidden states, one without the head returns them."""
-        x = self.embed(idx) if self.embed is not None else idx
-        for block in self.blocks.values():
-            x = block(x)
+        embeddings takes hidden states, one without the head returns them.
+
+        `docs` (models/attention.py, from the ids by `documents_of`): the documents
+        packed into each sequence; attention stays inside each one and positions
+        restart at 0 in each. None: one causal sequence per row."""
+        if docs is None:
+            x = self.embed(idx) if self.embed is not None else idx
+            for block in self.blocks.values():
+                x = block(x)
+        else:
+            x = self.embed(idx, positions=docs.positions) if self.embed is not None else idx
+            for block in self.blocks.values():
+                x = block(x, docs=docs)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.head is not None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.attention import Documents, attend
 from meshforge.models.gpt import DecoderLM, SwiGLU
 from meshforge.models.moe import MoE, MoEArgs
 
@@ -48,10 +48,16 @@ class LlamaArgs:
     moe: MoEArgs | None = None  # a mixture-of-experts feed-forward after moe.dense_layers
 
 
-def rotary(x: torch.Tensor, theta: float, dims: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape (seq, dims), in fp32, for positions 0..seq-1."""
+def rotary(
+    x: torch.Tensor, theta: float, dims: int, seq: int, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) in fp32: of shape (seq, dims) for positions 0..seq-1, or of shape
+    (b, 1, seq, dims) for `positions` (b, seq) (positions inside documents)."""
     inv = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=torch.float32) / dims)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    if positions is None:
+        angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    else:  # one row of angles per sequence, broadcast over the heads
+        angles = (positions.to(torch.float32)[..., None] * inv).unsqueeze(1)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -74,19 +80,20 @@ class Attention(nn.Module):
         self.proj = nn.Linear(q, cfg.d_model, bias=False)
         self.theta = cfg.rope_theta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # "-1": the heads this shard holds (a tensor-parallel rank has whole heads)
         q, k, v = (
             lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
         )
-        cos, sin = rotary(x, self.theta, self.head_dim, s)
+        positions = None if docs is None else docs.positions
+        cos, sin = rotary(x, self.theta, self.head_dim, s, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, docs)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -102,8 +109,9 @@ class LlamaBlock(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        # docs by keyword: a tensor-parallel plan prepares attn's positional input only
+        x = x + self.attn(self.ln1(x), docs=docs)
         return x + self.mlp(self.ln2(x))
 
 
@@ -112,7 +120,9 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids -> vectors; `positions` are taken as the GPT's embeddings take them,
+        and left to the rotary embedding in attention."""
         return self.tok(idx)
 
 

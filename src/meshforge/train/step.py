@@ -29,7 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshforge.config import JobConfig
+from meshforge.data.corpus import end_of_text_id
 from meshforge.layout import ParallelDims
+from meshforge.models.attention import documents_of
 from meshforge.models.moe import set_aux_loss_scale
 from meshforge.observe.memory import SavedActivations
 from meshforge.parallel.parallelize import (
@@ -80,6 +82,9 @@ class StepStrategy:
         # do not change), since counting hooks every saved tensor of the pass
         self.activation_bytes: int | None = None
         self.flight = None  # observe/flight.py FlightRecorder, set by the trainer
+        # data.document_masking: the token after which a new document starts (None: off)
+        d = cfg.data
+        self.eot_id = end_of_text_id(d.source, d.cache_dir) if d.document_masking else None
 
     def _phase(self, name: str) -> None:
         if self.flight is not None:
@@ -143,8 +148,12 @@ class StepStrategy:
 
 class AccumulatingStep(StepStrategy):
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        model = self.parts.callables[0]
         with self.autocast():
-            logits = self.parts.callables[0](x)
+            if self.eot_id is None:
+                logits = model(x)
+            else:  # attention kept inside the documents packed into each row of x
+                logits = model(x, docs=documents_of(x, self.eot_id))
         return cross_entropy(logits, y)
 
     def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
