@@ -4,15 +4,15 @@ MoE's tokens/s against a dense llama with the same active parameters.
 1. The same small MoE llama (models/llama.py with models/moe.py's `MoE`), fp32, gloo
    on 127.0.0.1, meshforge (`Engine.build` and its AccumulatingStep, driven as
    tests/layouts.py's train_layout does: the step, not the trainer's logging around
-   it) and a plain loop alternating in one run, for
+   it) against a plain loop, for
 
      ep1   world 1, every expert on the one rank
      ep2   world 2, parallel.ep=2: half of each layer's experts per rank
 
-   The plain loop (this file, `--worker`) builds the same module and takes its own
-   slice of each layer's stacked expert weights (plain tensors, no DTensor), routes
-   with the module's own router math, dispatches and combines the tokens with the
-   same `all_to_all_single_autograd` (variable splits), runs the same expert loop
+   The plain loop (`PlainSide`) builds the same module and takes its own slice of
+   each layer's stacked expert weights (plain tensors), routes with the module's own
+   router math, dispatches and combines the tokens with the same
+   `all_to_all_single_autograd` (variable splits), runs the same expert loop
    (`torch._grouped_mm` where it applies: CUDA bf16 only, so a loop here), reduces
    the other gradients with torch DDP (the expert weights ignored, their gradient
    divided by the data-parallel degree, as ExpertGradSync does with ep = world) and
@@ -26,8 +26,15 @@ MoE's tokens/s against a dense llama with the same active parameters.
    routing, the gather/scatter and the per-expert loop cost on top of the same
    arithmetic.
 
-    python benchmarks/moe.py [--reps 4] [--steps 60] [--layouts ep1,ep2] [--experts 8]
-        [--top-k 2] [--expert-ffn 128] [--d-model 128] [--layers 4] [--seq 128]
+How it is timed. This machine's speed drifts by tens of percent from one minute to
+the next (a shared host), more than the difference measured. So every side lives in
+the same torchrun processes (one launch per layout and repetition): each is warmed
+up, then the sides take turns, `--block` steps each, the order rotating every round,
+and each round gives a ratio of two blocks run seconds apart.
+
+    python benchmarks/moe.py [--reps 2] [--rounds 8] [--block 5] [--layouts ep1,ep2]
+        [--experts 8] [--top-k 2] [--expert-ffn 128] [--d-model 128] [--layers 4]
+        [--seq 128]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 16
 SEED = 0
+WARMUP = 5  # steps of each side before the timed rounds
 LAYOUTS = {"ep1": 1, "ep2": 2}  # layout -> world size (= ep)
 
 
@@ -94,16 +102,18 @@ def job(args: argparse.Namespace, ep: int, moe: bool) -> dict:
     }
 
 
-# -- the two sides, each a torchrun of this file's --worker ----------------------------------
-def run_side(args: argparse.Namespace, side: str, ep: int, moe: bool = True):
-    """(median, best) tokens/s of one run: `side` meshforge or plain, over `ep` ranks."""
+# -- one torchrun of this file's --worker per layout and repetition ----------------------------
+def run_paired(args: argparse.Namespace, ep: int) -> dict:
+    """One torchrun over `ep` ranks whose processes build every side and time them in
+    alternating blocks of steps (the worker's `paired`)."""
     from meshforge.launch.local import free_port
 
     forwarded = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("steps", "experts", "top_k", "expert_ffn", "shared", "d_model", "layers", "seq")
-    ]
-    name = f"{side} ep{ep}" + ("" if moe else " dense")
+        for k in ("rounds", "block", "experts", "top_k", "expert_ffn", "shared", "d_model",
+                  "layers", "seq")
+    ]  # fmt: skip
+    dense = ["--with-dense"] if ep == 1 and not args.no_dense else []
     for attempt in range(2):
         cmd = [
             sys.executable,
@@ -115,26 +125,24 @@ def run_side(args: argparse.Namespace, side: str, ep: int, moe: bool = True):
             f"--nproc_per_node={ep}",
             str(Path(__file__).resolve()),
             "--worker",
-            side,
             *forwarded,
-            *([] if moe else ["--dense"]),
+            *dense,
         ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         lines = out.stdout.strip().splitlines()
         if lines and lines[-1].startswith("{"):
-            res = json.loads(lines[-1])
-            return res["tokens_per_s"], res["best"]
+            return json.loads(lines[-1])
         errors = [ln for ln in out.stderr.splitlines() if "Error" in ln] or out.stderr.splitlines()
         print(
-            f"{name} failed (attempt {attempt + 1}, rc {out.returncode}): "
+            f"ep{ep} failed (attempt {attempt + 1}, rc {out.returncode}): "
             + " | ".join(errors[-3:]),
             file=sys.stderr,
             flush=True,
         )
-    raise RuntimeError(f"{name} failed twice")
+    raise RuntimeError(f"ep{ep} failed twice")
 
 
-# -- the plain loop (one rank of torchrun) --------------------------------------------------
+# -- the worker (one rank of torchrun): every side in this process ---------------------------
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -142,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo")
-    result = plain_train(args) if args.worker == "plain" else meshforge_train(args)
+    result = paired(args)
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     gc.collect()  # leave as plain_loop.leave does (gloo's pending drops, then no teardown)
@@ -151,6 +159,41 @@ def worker(args: argparse.Namespace) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def paired(args: argparse.Namespace) -> dict:
+    """Build meshforge's engine and the plain loop (and, with --with-dense, meshforge's
+    dense model) in this process, warm each up, then time `rounds` rounds of `block`
+    steps of each, the order rotating every round. Per round: each side's tokens/s
+    (its block's time, the slowest rank's, between barriers), and the ratios of the
+    round; a round's sides run seconds apart, so a change in the machine's speed
+    (other jobs, another VM on the host) touches both nearly alike."""
+    import torch.distributed as dist
+
+    sides = {"meshforge": MeshforgeSide(args, moe=True), "plain": PlainSide(args)}
+    if args.with_dense:
+        sides["dense"] = MeshforgeSide(args, moe=False)
+    names = list(sides)
+    for side in sides.values():  # warm-up: allocator, first-touch, gloo's buffers
+        for _ in range(WARMUP):
+            side.step()
+    tokens = args.block * GLOBAL_BATCH * args.seq
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                sides[name].step()
+            sides[name].sync()
+            dist.barrier()
+            rates[name].append(tokens / (time.perf_counter() - t0))
+    out: dict = {"rates": rates}
+    out["ratio"] = [m / p for m, p in zip(rates["meshforge"], rates["plain"], strict=True)]
+    if "dense" in rates:
+        out["moe_dense"] = [m / d for m, d in zip(rates["meshforge"], rates["dense"], strict=True)]
+    return out
 
 
 class PlainDispatch:
@@ -182,176 +225,155 @@ class PlainDispatch:
         return out.wait() if hasattr(out, "wait") else out
 
 
-def plain_train(args: argparse.Namespace) -> dict[str, float]:
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
+class PlainSide:
+    """The plain loop: the same module, its own slice of each layer's stacked expert
+    weights (plain tensors), dispatch and combine by `PlainDispatch`, torch DDP over the
+    rest (the expert weights ignored, their gradient divided by the data-parallel
+    degree, as ExpertGradSync does with ep = world), torch's AdamW (weight decay on
+    matrices only, as meshforge)."""
 
-    from meshforge.data.corpus import load_tokens
-    from meshforge.models.llama import Llama, LlamaArgs
-    from meshforge.models.moe import GroupedExperts, MoEArgs
+    def __init__(self, args: argparse.Namespace) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(SEED)
-    cfg = LlamaArgs(
-        vocab_size=256,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=4,
-        n_kv_heads=2,
-        seq_len=args.seq,
-        ffn_hidden=args.top_k * args.expert_ffn,
-        moe=MoEArgs(
-            experts=args.experts,
-            top_k=args.top_k,
-            expert_ffn=args.expert_ffn,
-            shared_experts=args.shared,
-        ),
-    )
-    model = Llama(cfg)
-    model.init_weights(SEED)
-    expert_params: list[nn.Parameter] = []
-    local = args.experts // world
-    for g in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+        from meshforge.data.corpus import load_tokens
+        from meshforge.models.llama import Llama, LlamaArgs
+        from meshforge.models.moe import GroupedExperts, MoEArgs
+
+        self.args = args
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.world = world
+        torch.manual_seed(SEED)
+        cfg = LlamaArgs(
+            vocab_size=256,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=4,
+            n_kv_heads=2,
+            seq_len=args.seq,
+            ffn_hidden=args.top_k * args.expert_ffn,
+            moe=MoEArgs(
+                experts=args.experts,
+                top_k=args.top_k,
+                expert_ffn=args.expert_ffn,
+                shared_experts=args.shared,
+            ),
+        )
+        model = Llama(cfg)
+        model.init_weights(SEED)
+        self.expert_params: list[nn.Parameter] = []
+        local = args.experts // world
+        for g in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+            if world > 1:
+                for holder in (g.gate, g.up, g.proj):
+                    shard = holder.weight.detach()[rank * local : (rank + 1) * local].clone()
+                    holder.weight = nn.Parameter(shard)
+                g.forward = PlainDispatch(g.forward, world)
+            self.expert_params += [g.gate.weight, g.up.weight, g.proj.weight]
+        self.model: nn.Module = model
         if world > 1:
-            for holder in (g.gate, g.up, g.proj):
-                shard = holder.weight.detach()[rank * local : (rank + 1) * local].clone()
-                holder.weight = nn.Parameter(shard)
-            g.forward = PlainDispatch(g.forward, world)
-        expert_params += [g.gate.weight, g.up.weight, g.proj.weight]
-    wrapped: nn.Module = model
-    if world > 1:
-        ids = {id(p) for p in expert_params}
-        names = [n for n, p in model.named_parameters() if id(p) in ids]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-        wrapped = DistributedDataParallel(model)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=3e-3,
-        betas=(0.9, 0.95),
-    )
-    tokens = load_tokens("builtin:python-stdlib", 0.05).train
-    per_rank = GLOBAL_BATCH // world
-    rng = np.random.default_rng(rank)
-    rates, t0, log_every = [], time.perf_counter(), 10
-    loss = torch.zeros(())
-    prof = Profile(args, rank)
-    for step in range(1, args.steps + 1):
-        prof.at(step - 1)
-        starts = rng.integers(0, len(tokens) - args.seq - 1, size=per_rank)
-        rows = np.stack([np.asarray(tokens[s : s + args.seq + 1]) for s in starts])
+            ids = {id(p) for p in self.expert_params}
+            names = [n for n, p in model.named_parameters() if id(p) in ids]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+            self.model = DistributedDataParallel(model)
+        params = list(model.parameters())
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=3e-3,
+            betas=(0.9, 0.95),
+        )
+        self.tokens = load_tokens("builtin:python-stdlib", 0.05).train
+        self.rng = np.random.default_rng(rank)
+        self.n = 0
+        self.loss = torch.zeros(())
+
+    def step(self) -> None:
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        a = self.args
+        self.n += 1
+        starts = self.rng.integers(0, len(self.tokens) - a.seq - 1, size=GLOBAL_BATCH // self.world)
+        rows = np.stack([np.asarray(self.tokens[s : s + a.seq + 1]) for s in starts])
         batch = torch.from_numpy(rows.astype(np.int64))
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        for g in opt.param_groups:  # a warm-up, as meshforge's schedule sets the lr
-            g["lr"] = 3e-3 * min(1.0, step / 5)
-        logits = wrapped(x)
+        for g in self.opt.param_groups:  # a warm-up, as meshforge's schedule sets the lr
+            g["lr"] = 3e-3 * min(1.0, self.n / 5)
+        logits = self.model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
-        if world > 1:
-            for p in expert_params:  # already summed over the ranks by the all-to-all
+        if self.world > 1:
+            for p in self.expert_params:  # already summed over the ranks by the all-to-all
                 if p.grad is not None:
-                    p.grad.div_(world)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % log_every == 0:
-            dist.all_reduce(loss.detach())
-            now = time.perf_counter()
-            rates.append(log_every * GLOBAL_BATCH * args.seq / (now - t0))
-            t0 = now
-    prof.at(args.steps)
-    dist.all_reduce(loss.detach())
-    steady = rates[1:] or rates
-    return {"tokens_per_s": statistics.median(steady), "best": max(steady)}
+                    p.grad.div_(self.world)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = loss.detach()
+
+    def sync(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.loss)  # the block's end, as a logged step would read it
 
 
-def meshforge_train(args: argparse.Namespace) -> dict[str, float]:
+class MeshforgeSide:
     """meshforge's side: the Engine built from the job config, its step strategy
-    (AccumulatingStep under DDP + expert parallelism) driven as the trainer drives it
-    (set_lr, forward/backward, the expert gradient reduction, AdamW, zero_grad), with
-    meshforge's own batch sampler; timed exactly as the plain loop is."""
-    import torch
-    import torch.distributed as dist
+    (AccumulatingStep under DDP + expert parallelism; no wrapper over one rank) driven
+    as the trainer drives it (set_lr, forward/backward, the expert gradient reduction,
+    AdamW, zero_grad), with meshforge's own batch sampler."""
 
-    from meshforge.config import build_config
-    from meshforge.data.corpus import load_tokens
-    from meshforge.data.loader import rank_micro_batches
-    from meshforge.train.engine import Engine
+    def __init__(self, args: argparse.Namespace, moe: bool) -> None:
+        import torch
+        import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = build_config(job(args, world, not args.dense))
-    torch.manual_seed(cfg.train.seed)
-    engine = Engine.build(cfg, rank, world, torch.device("cpu"))
-    dims, t = engine.dims, cfg.train
-    tokens = load_tokens("builtin:python-stdlib", 0.05).train
-    rates, t0, log_every = [], time.perf_counter(), 10
-    loss = torch.zeros(())
-    prof = Profile(args, rank)
-    for step in range(args.steps):
-        prof.at(step)
+        from meshforge.config import build_config
+        from meshforge.data.corpus import load_tokens
+        from meshforge.train.engine import Engine
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.cfg = build_config(job(args, world, moe))
+        torch.manual_seed(self.cfg.train.seed)
+        self.engine = Engine.build(self.cfg, rank, world, torch.device("cpu"))
+        self.tokens = load_tokens("builtin:python-stdlib", 0.05).train
+        self.n = 0
+        self.result = None
+
+    def step(self) -> None:
+        from meshforge.data.loader import rank_micro_batches
+
+        engine, t = self.engine, self.cfg.train
         micro_batches = rank_micro_batches(
-            tokens,
-            seq_len=cfg.model.seq_len,
+            self.tokens,
+            seq_len=self.cfg.model.seq_len,
             global_batch=t.global_batch,
             micro_batch=t.micro_batch,
             dp_rank=engine.dp_rank,
-            dp_size=dims.dp,
+            dp_size=engine.dims.dp,
             seed=t.seed,
-            step=step,
+            step=self.n,
         )
-        result = engine.strategy.step(step, micro_batches, measure=False)
+        self.result = engine.strategy.step(self.n, micro_batches, measure=False)
         engine.optimizers.zero_grad()
-        if (step + 1) % log_every == 0:
-            loss = engine.strategy.reduce_loss(result.loss_sum / dims.microbatches)
-            now = time.perf_counter()
-            rates.append(log_every * GLOBAL_BATCH * args.seq / (now - t0))
-            t0 = now
-    prof.at(args.steps)
-    dist.all_reduce(loss.detach())
-    steady = rates[1:] or rates
-    return {"tokens_per_s": statistics.median(steady), "best": max(steady)}
+        self.n += 1
 
-
-class Profile:
-    """--profile FILE: rank 0 profiles steps 10-19 (torch.profiler) and writes the
-    operator table, heaviest self time first, to FILE (side and layout appended)."""
-
-    FIRST, LAST = 10, 20
-
-    def __init__(self, args: argparse.Namespace, rank: int) -> None:
-        self.path = args.profile if rank == 0 else None
-        self.name = f"{args.worker}{'-dense' if args.dense else ''}"
-        self.prof = None
-
-    def at(self, steps_done: int) -> None:
-        if self.path is None:
-            return
-        import torch
-        from torch.profiler import profile
-
-        if steps_done == self.FIRST:
-            self.prof = profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self.prof.start()
-        elif steps_done == self.LAST and self.prof is not None:
-            self.prof.stop()
-            world = os.environ.get("WORLD_SIZE", "1")
-            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-            with open(f"{self.path}.{self.name}-world{world}.txt", "w") as f:
-                f.write(table)
-            self.prof = None
+    def sync(self) -> None:
+        assert self.result is not None
+        self.engine.strategy.reduce_loss(self.result.loss_sum / self.engine.dims.microbatches)
 
 
 # -- the driver -----------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=2, help="torchrun launches per layout")
+    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds per launch")
+    ap.add_argument("--block", type=int, default=5, help="steps per side per round")
     ap.add_argument("--layouts", default="ep1,ep2", help="of ep1, ep2")
     ap.add_argument("--no-dense", action="store_true", help="skip the MoE vs dense part")
     ap.add_argument("--experts", type=int, default=8)
@@ -362,10 +384,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "moe.txt")
-    ap.add_argument("--worker", choices=["plain", "meshforge"], help=argparse.SUPPRESS)
-    ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--with-dense", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.steps = WARMUP + args.rounds * args.block  # meshforge's train.steps (its lr horizon)
     if args.worker:
         worker(args)
         return
@@ -382,71 +404,54 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    # per layout: [((meshforge median, best), (plain median, best)) per rep]
-    results: dict[str, list] = {lay: [] for lay in chosen}
-    dense: list[tuple[tuple[float, float], tuple[float, float]]] = []  # (moe, dense) per rep
+    ratios: dict[str, list[float]] = {lay: [] for lay in chosen}  # per round, all launches
+    rates: dict[str, dict[str, list[float]]] = {lay: {} for lay in chosen}
+    moe_dense: list[float] = []
     for rep in range(args.reps):
-        mf_ep1 = den = None
         for lay in chosen:
             ep = LAYOUTS[lay]
-            # MoE vs dense rides on the ep1 meshforge run, next to it and alternating too:
-            # even reps dense, meshforge, plain; odd reps plain, meshforge, dense
-            with_dense = ep == 1 and not args.no_dense
-            if rep % 2 == 0:  # alternate which goes first
-                den = run_side(args, "meshforge", 1, moe=False) if with_dense else den
-                mf = run_side(args, "meshforge", ep)
-                plain = run_side(args, "plain", ep)
-            else:
-                plain = run_side(args, "plain", ep)
-                mf = run_side(args, "meshforge", ep)
-                den = run_side(args, "meshforge", 1, moe=False) if with_dense else den
-            if ep == 1:
-                mf_ep1 = mf
-            results[lay].append((mf, plain))
+            res = run_paired(args, ep)
+            ratios[lay] += res["ratio"]
+            for side, values in res["rates"].items():
+                rates[lay].setdefault(side, []).extend(values)
+            moe_dense += res.get("moe_dense", [])
+            med = {side: statistics.median(v) for side, v in res["rates"].items()}
             emit(
-                f"rep {rep} {lay}: meshforge {mf[0]:8.0f} tok/s  plain {plain[0]:8.0f} "
-                f"tok/s  ratio {mf[0] / plain[0]:.3f}  (best intervals {mf[1]:.0f} / "
-                f"{plain[1]:.0f} = {mf[1] / plain[1]:.3f})"
-            )
-        if not args.no_dense:
-            if mf_ep1 is None:  # no ep1 layout chosen: a MoE run of its own beside the dense
-                mf_ep1 = run_side(args, "meshforge", 1)
-                den = run_side(args, "meshforge", 1, moe=False)
-            assert den is not None
-            dense.append((mf_ep1, den))
-            emit(
-                f"rep {rep} MoE/dense (world 1, meshforge both): MoE {mf_ep1[0]:8.0f} tok/s  "
-                f"dense {den[0]:8.0f} tok/s  ratio {mf_ep1[0] / den[0]:.3f}  (best "
-                f"{mf_ep1[1]:.0f} / {den[1]:.0f} = {mf_ep1[1] / den[1]:.3f})"
+                f"launch {rep} {lay}: "
+                + "  ".join(f"{side} {v:8.0f} tok/s" for side, v in med.items())
+                + "  meshforge/plain per round: "
+                + " ".join(f"{r:.3f}" for r in res["ratio"])
             )
     emit("")
     emit(
         f"{'layout':24s} {'meshforge tok/s':>16s} {'plain tok/s':>12s} {'ratio':>7s} "
-        f"{'best-interval ratio':>20s}"
+        f"{'rounds':>7s} {'IQR of ratio':>14s}"
     )
     for lay in chosen:
-        pairs = results[lay]
-        mf = statistics.median(p[0][0] for p in pairs)
-        plain = statistics.median(p[1][0] for p in pairs)
-        ratio = statistics.median(p[0][0] / p[1][0] for p in pairs)
-        best = statistics.median(p[0][1] / p[1][1] for p in pairs)
+        r = sorted(ratios[lay])
+        q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
         name = f"{lay} (world {LAYOUTS[lay]}) vs plain"
-        emit(f"{name:24s} {mf:16.0f} {plain:12.0f} {ratio:7.3f} {best:20.3f}")
-    if dense:
-        moe_t = statistics.median(p[0][0] for p in dense)
-        den_t = statistics.median(p[1][0] for p in dense)
-        ratio = statistics.median(p[0][0] / p[1][0] for p in dense)
-        best = statistics.median(p[0][1] / p[1][1] for p in dense)
         emit(
-            f"{'MoE vs dense (world 1)':24s} {moe_t:16.0f} {den_t:12.0f} {ratio:7.3f} {best:20.3f}"
+            f"{name:24s} {statistics.median(rates[lay]['meshforge']):16.0f} "
+            f"{statistics.median(rates[lay]['plain']):12.0f} {statistics.median(r):7.3f} "
+            f"{len(r):7d} {q1:6.3f}-{q3:.3f}"
+        )
+    if moe_dense:
+        r = sorted(moe_dense)
+        q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
+        dense_rates = rates["ep1"].get("dense", []) if "ep1" in rates else []
+        emit(
+            f"{'MoE vs dense (world 1)':24s} {statistics.median(rates['ep1']['meshforge']):16.0f} "
+            f"{statistics.median(dense_rates):12.0f} {statistics.median(r):7.3f} "
+            f"{len(r):7d} {q1:6.3f}-{q3:.3f}"
         )
     emit(
-        f"\n{args.steps} steps, {args.reps} alternating repetitions, "
-        f"{time.perf_counter() - started:.0f} s; ratio = median of per-repetition throughput "
-        "ratios (each run: median of its steady logging intervals of 10 steps); best-interval "
-        "ratio: the same with each run's fastest steady interval, the least disturbed by other "
-        "load; goal meshforge/plain >= 0.97; MoE vs dense: meshforge both, same active "
-        "parameters (MoE tokens/s over dense tokens/s)"
+        f"\n{args.reps} launches per layout x {args.rounds} rounds x {args.block} steps per side, "
+        f"after {WARMUP} warm-up steps each, {time.perf_counter() - started:.0f} s. Every "
+        "side is built in the same processes and timed in alternating blocks (the order "
+        "rotating each round); ratio = median over all rounds of meshforge's tokens/s over "
+        "plain's in the same round; goal meshforge/plain >= 0.97. MoE vs dense: meshforge "
+        "both, same active parameters (the dense column is the dense model's tokens/s)"
     )
     header = [
         f"machine: {cpu_model_name()}, {os.cpu_count()} cores, torch {version('torch')}; "
