@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from meshforge.errors import ConfigError
@@ -355,16 +356,7 @@ def moe_validation_table(runs: tuple[PublishedRun, ...] = PUBLISHED_MOE_RUNS) ->
     """The mixture-of-experts rows (plan/core/published_moe.py), predicted with the
     shipped constants, which are the fit on the dense sources only: every row is held
     out, so `predicted` and `held_out_predicted` are the same prediction."""
-    rows = []
-    for run in runs:
-        why = supported(run)
-        if why is not None:
-            rows.append(Row(run, None, None, None, None, why))
-            continue
-        value = predicted_value(run, predicted_step_s(run))
-        error = throughput_error(run, value)
-        rows.append(Row(run, value, error, value, error, None))
-    return rows
+    return _unfitted_rows(runs, lambda run, value, error: (value, error))
 
 
 def cp_validation_table(runs: tuple[PublishedRun, ...] | None = None) -> list[Row]:
@@ -375,6 +367,20 @@ def cp_validation_table(runs: tuple[PublishedRun, ...] | None = None) -> list[Ro
 
     runs = PUBLISHED_CP_RUNS if runs is None else runs
     usable = tuple(r for r in PUBLISHED_RUNS if fitted(r))
+    return _unfitted_rows(
+        runs,
+        lambda run, value, error: _predict(
+            run, fit(tuple(r for r in usable if r.source != run.source))
+        ),
+    )
+
+
+def _unfitted_rows(
+    runs: tuple[PublishedRun, ...],
+    held_out: Callable[[PublishedRun, float, float], tuple[float | None, float | None]],
+) -> list[Row]:
+    """Rows of runs none of the fits used: predicted with the shipped constants;
+    `held_out(run, value, error)` gives the held-out prediction and its error."""
     rows = []
     for run in runs:
         why = supported(run)
@@ -382,8 +388,8 @@ def cp_validation_table(runs: tuple[PublishedRun, ...] | None = None) -> list[Ro
             rows.append(Row(run, None, None, None, None, why))
             continue
         value = predicted_value(run, predicted_step_s(run))
-        held = _predict(run, fit(tuple(r for r in usable if r.source != run.source)))
-        rows.append(Row(run, value, throughput_error(run, value), *held, None))
+        error = throughput_error(run, value)
+        rows.append(Row(run, value, error, *held_out(run, value, error), None))
     return rows
 
 
