@@ -2,7 +2,7 @@
 # GPU readiness check: one command, under 5 minutes on one GPU.
 # Trains a ~124M-parameter GPT in bf16 for 100 steps (fused AdamW, SDPA flash
 # attention) with meshforge's own trainer and prints tokens/s and MFU; then the
-# same with torch.compile. Output: stdout, and OUT_DIR/gpu_check.txt.
+# same with torch.compile; then a small mixture of experts in bf16 (grouped GEMM). Output: stdout, and OUT_DIR/gpu_check.txt.
 #   scripts/gpu_check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +30,17 @@ print(f"RESULT compile={r['layout']} params={r['model_params']/1e6:.1f}M "
       f"peak={r['peak_flops']}")
 PYEOF
   done
+  # a mixture of experts in bf16: torch._grouped_mm's forward and backward (sm90+),
+  # which no CPU runs; one GPU cannot hold two NCCL ranks, so ep stays 1 here
+  echo "-- mixture of experts (moe-tiny preset, bf16, grouped GEMM)"
+  timeout 120 "$PY" -m meshforge train examples/moe-tiny.yaml --nproc 1 \
+    --run-dir "$RUNS/moe" --set parallel.ep=1 --set precision.dtype=bf16 \
+    --set train.steps=30 --set train.eval_every=0 || echo "run failed: $?"
+  "$PY" - "$RUNS/moe/report.json" <<'PYEOF' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"RESULT moe first_loss={r['first_loss']:.3f} final_loss={r['final_loss']:.3f} "
+      f"tokens/s={r['tokens_per_s']:.0f} dropped={r['moe'].get('dropped')}")
+PYEOF
 } 2>&1 | tee "$log"
 rm -rf "$RUNS"
