@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from helpers import Job
 
-JOB = {"parallel": {"zero": 2}, "train": {"steps": 30}, "checkpoint": {"every": 10, "keep": 3}}
+# keep=2 of the checkpoints of steps 10, 20 and 30: the uninterrupted run also shows pruning
+JOB = {"parallel": {"zero": 2}, "train": {"steps": 30}, "checkpoint": {"every": 10, "keep": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +65,29 @@ def test_crash_before_commit_leaves_previous_checkpoint(job_factory):
     assert job.report["status"] == "completed"
 
 
+def _copy_of(done: Job, tmp_path: Path, name: str) -> Job:
+    """A Job whose run directory starts as a copy of DONE's finished one."""
+    job = Job(tmp_path, done.cfg, name=name)
+    shutil.copytree(done.run_dir, job.run_dir)
+    return job
+
+
 @pytest.mark.slow
-def test_checkpoint_with_bad_checksum_is_skipped_with_warning(job_factory):
-    job = job_factory({**JOB, "train": {"steps": 20}}, name="corrupt")
-    job.train(2)
-    newest = job.run_dir / "checkpoints" / "step-00000020"
+def test_checkpoint_with_bad_checksum_is_skipped_with_warning(tmp_path, uninterrupted):
+    # a copy of the finished 30-step run, whose checkpoints are those of steps 20 and 30
+    job = _copy_of(uninterrupted, tmp_path, "corrupt")
+    newest = job.run_dir / "checkpoints" / "step-00000030"
     shard = sorted(newest.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    second = job.train(2, "--set", "train.steps=25")
-    assert "skipping checkpoint step-00000020: checksum mismatch" in second.stderr
-    assert job.report["resumed_from"] == 10
+    second = job.train(2, "--set", "train.steps=35")
+    assert "skipping checkpoint step-00000030: checksum mismatch" in second.stderr
+    assert job.report["resumed_from"] == 20
 
 
 @pytest.mark.slow
-def test_only_the_newest_checkpoints_are_kept(job_factory):
-    job = job_factory({**JOB, "train": {"steps": 20}, "checkpoint": {"every": 5, "keep": 2}})
-    job.train(1)
-    names = sorted(p.name for p in (job.run_dir / "checkpoints").iterdir())
-    assert names == ["step-00000015", "step-00000020"]
-    shutil.rmtree(job.run_dir)
+def test_only_the_newest_checkpoints_are_kept(uninterrupted):
+    # checkpoints of steps 10, 20 and 30 were written with keep=2: step 10's is gone
+    names = sorted(p.name for p in (uninterrupted.run_dir / "checkpoints").iterdir())
+    assert names == ["step-00000020", "step-00000030"]
