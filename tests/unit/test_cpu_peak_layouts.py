@@ -91,3 +91,22 @@ def test_a_cached_machine_profile_with_an_old_cpu_peak_is_stale() -> None:
     assert _stale_cpu_peak(m("cpu", "cpu matmul bf16 threads=1"))
     assert not _stale_cpu_peak(m("cpu", f"cpu matmul bf16 threads=1 {peak.METHOD}"))
     assert not _stale_cpu_peak(m("cuda", "table:H100 bf16"))
+
+
+def test_a_peak_measured_below_one_threads_is_raised_to_it(tmp_path, monkeypatch) -> None:
+    """Two threads timed while other processes held the cores (the rate 100x low):
+    the peak is one thread's, never the absurd figure, cached or measured."""
+    monkeypatch.setenv("MESHFORGE_CACHE", str(tmp_path))
+    rates = {1: 9.0e10, 2: 2.0e8}  # FLOP/s of one and of two threads
+
+    def fake(dtype: str, threads: int, budget_s: float = 0.3):
+        return {layout: rates[threads] for layout in peak.LAYOUTS}, 128
+
+    monkeypatch.setattr(peak, "_measure_matmul_rates", fake)
+    assert peak.measure_cpu_matmul_flops("fp32", threads=2) == 9.0e10
+    # the bad figure as measured stays in the cache; read back, it is raised again
+    cached = json.loads((tmp_path / "peak_flops.json").read_text())
+    assert cached[peak._cache_key("fp32", 2)]["flops_per_s"] == 2.0e8
+    assert peak.measure_cpu_matmul_flops("fp32", threads=2) == 9.0e10
+    rates[2] = 1.6e11  # a real speed-up with two threads is kept
+    assert peak.measure_cpu_matmul_flops("fp32", threads=2, use_cache=False) == 1.6e11

@@ -202,7 +202,20 @@ def measure_cpu_matmul_flops(
 
 
 def _cpu_peak(dtype: str, threads: int, use_cache: bool) -> tuple[float, bool]:
-    """(FLOP/s, whether it came from the cache)."""
+    """(FLOP/s, whether it came from the cache).
+
+    Never below one thread's peak: more threads are not slower at a matmul, and a
+    figure below it was measured while other processes held the cores (a thread pool
+    oversubscribed on a shared machine stalls at every barrier: 100x slower rates
+    were seen), which would make every MFU of this machine absurd."""
+    flops, cached = _cpu_peak_one(dtype, threads, use_cache)
+    if threads > 1:
+        one, _ = _cpu_peak_one(dtype, 1, use_cache)
+        flops = max(flops, one)
+    return flops, cached
+
+
+def _cpu_peak_one(dtype: str, threads: int, use_cache: bool) -> tuple[float, bool]:
     if use_cache:
         try:
             return _cpu_peak_cached(dtype, threads)
