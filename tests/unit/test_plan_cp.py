@@ -205,3 +205,16 @@ def test_the_long_context_run_is_predicted_held_out():
 def test_the_docs_show_the_cp_table_as_the_planner_predicts_it():
     docs = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
     assert cp_markdown(cp_validation_table()) in docs.read_text()
+
+
+def test_a_mixture_of_experts_shards_its_expert_states_over_dp_x_cp_too():
+    """cp replicates the experts as it does every weight: ZeRO shards their states over
+    the dp x cp ranks holding them, as over dp alone at the same world size."""
+    moe = GPTShape(4, 512, 8, 1000, 4096, family="llama", n_kv_heads=4, ffn_hidden=1024,
+                   experts=8, top_k=2, expert_ffn=512)  # fmt: skip
+    cluster = _cluster(8)
+    training = Training(global_batch=8, micro_batch=1, recompute="full")
+    base = evaluate(moe, Layout(dp=8, zero=3), training, cluster)
+    cp = evaluate(moe, Layout(dp=1, zero=3, cp=8), training, cluster)
+    for states in ("params", "grads", "optimizer"):
+        assert getattr(cp.memory, states) == pytest.approx(getattr(base.memory, states)), states

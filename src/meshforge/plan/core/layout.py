@@ -53,6 +53,12 @@ class Layout:
         return self.dp // self.ep
 
     @property
+    def grad_edp(self) -> int:
+        """Ranks holding the same experts, over which their gradients are reduced and
+        ZeRO shards them: edp x cp (cp replicates the experts too)."""
+        return self.edp * self.cp
+
+    @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 

@@ -302,7 +302,7 @@ def _rank_memory(
                                training.optimizer)  # fmt: skip
     if held_experts > 0:
         expert_states = model_state_bytes(
-            held_experts, zero, layout.edp, precision, convention, training.optimizer
+            held_experts, zero, layout.grad_edp, precision, convention, training.optimizer
         )
         states = {k: states[k] + expert_states[k] for k in states}
     held = dense + held_experts
