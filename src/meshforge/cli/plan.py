@@ -542,9 +542,18 @@ def _layout_text(p: Prediction, fields: dict[str, str]) -> str:
     return " ".join(parts)
 
 
-def _legend(fields: dict[str, str]) -> str:
+def _legend(fields: dict[str, str], predictions: list[Prediction]) -> str:
     """`* chosen by the search: dp, zero; given: tp, pp` (and the fields a bare
-    parameter count leaves at their defaults)."""
+    parameter count leaves at their defaults): ep only for a model with experts, cp
+    where the search chose it."""
+    fields = dict(fields)
+    experts = any(
+        p.active_params is not None and p.active_params < p.model_params for p in predictions
+    )
+    if not experts and fields.get("ep") == "searched":
+        del fields["ep"]
+    if "cp" not in fields and any(p.layout.cp > 1 for p in predictions):
+        fields["cp"] = "searched"
     searched = [k for k, v in fields.items() if v == "searched"]
     given = [k for k, v in fields.items() if v == "given"]
     default = [k for k, v in fields.items() if v == "default"]
@@ -589,7 +598,7 @@ def _print_table(
             )
         table = Table(
             title=title + below,
-            caption=_legend(fields),
+            caption=_legend(fields, predictions),
         )
         for column in ("layout", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "bubble",
                        "memory/GPU", "fits"):  # fmt: skip
@@ -632,5 +641,5 @@ def _print_table(
                         f"{p.time.cp_comm_s:.4g} s"))  # fmt: skip
     for name, value in rows:
         table.add_row(name, value)
-    table.caption = _legend(fields)
+    table.caption = _legend(fields, predictions)
     console.print(table)

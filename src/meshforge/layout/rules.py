@@ -170,7 +170,8 @@ def check(
     if dp is not None and req.ep > 1 and dp % req.ep:
         out.append(
             f"{n.show('ep', req.ep)} does not divide the data-parallel ranks dp={dp} "
-            "(expert-parallel ranks are borrowed from the data-parallel ones)"
+            "(expert-parallel ranks are borrowed from the data-parallel ones; "
+            f"{n.show('ep', 1)} for none, e.g. to resume on fewer ranks)"
         )
     if dp is not None and req.global_batch is not None and req.micro_batch is not None:
         out += _batch_rules(req, n, dp, world_size)
