@@ -423,8 +423,15 @@ def test_a_folder_that_is_not_a_meshforge_run_is_refused_unless_fresh(tmp_path, 
     before = _tree(foreign)
     job = job_factory()
     refused = meshforge(["train", str(job.config_path), "--nproc", "1", "--run-dir", str(foreign)])
-    assert_one_line_error(refused, f"run directory {foreign} is not a meshforge run", "--fresh")
+    line = assert_one_line_error(refused, f"run directory {foreign} is not a meshforge run")
+    assert "--fresh" not in line, line  # it would refuse too: removes only what a run wrote
     assert _tree(foreign) == before
+    # ... and --fresh says so, leaving no lock file of its own behind
+    fresh = ["train", str(job.config_path), "--nproc", "1", "--run-dir", str(foreign), "--fresh"]
+    assert_one_line_error(meshforge(fresh), "is not a meshforge run", "nothing removed")
+    assert sorted(p.name for p in foreign.iterdir()) == [
+        "config.yaml", "metrics.jsonl", "report.html"]  # fmt: skip
+    assert (foreign / "config.yaml").read_text() == "learning_rate: 0.1\n"
 
 
 def test_fresh_removes_only_what_meshforge_writes_and_names_what_it_kept(tmp_path):

@@ -166,8 +166,13 @@ def check_is_a_run(earlier: EarlierRun) -> None:
     or report.json with neither a config.yaml nor a committed checkpoint."""
     run_dir = earlier.run_dir
     config = run_dir / "config.yaml"
+    fresh = (
+        ", or --fresh to start a run there (it replaces the files a run writes: "
+        "config.yaml, metrics.jsonl, report.*)"
+    )
     if config.exists() and not is_job_config(earlier.config):
         has = "a config.yaml that is not a meshforge job config"
+        fresh = ""  # --fresh removes only what a run wrote: it would refuse too
     elif not config.exists() and not earlier.checkpoints:
         found = [n for n in ("metrics.jsonl", "report.json") if _has_data(run_dir / n)]
         if not found:
@@ -177,8 +182,7 @@ def check_is_a_run(earlier: EarlierRun) -> None:
         return
     raise ConfigError(
         f"run directory {run_dir} is not a meshforge run directory (it holds {has}); use "
-        "another --run-dir, or --fresh to start a run there (it replaces the files a run "
-        "writes: config.yaml, metrics.jsonl, report.*)"
+        f"another --run-dir{fresh}"
     )
 
 

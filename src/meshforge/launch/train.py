@@ -21,6 +21,7 @@ from meshforge.launch.rundir import check_earlier_run, outputs_of
 from meshforge.plan.jobs.auto import resolve_parallel_auto
 from meshforge.rundir.files import remove_earlier_run
 from meshforge.rundir.outputs import claim_all
+from meshforge.runtime.runlock import LOCK_FILE
 
 
 def validate_job(cfg: JobConfig, world_size: int) -> None:
@@ -151,9 +152,18 @@ def prepare_job(
         return PreparedJob(cfg, run_dir, target, world, auto_line, finished=decision.finished)
     # After validation (bad input writes nothing), before anything is written: another
     # job's run directory is refused here (runtime/runlock.py).
+    lock_file = run_dir / LOCK_FILE
+    made_lock = not lock_file.exists()
     run_lock = lock(run_dir) if lock is not None else None
     if fresh:
-        history_line = remove_earlier_run(run_dir)
+        try:
+            history_line = remove_earlier_run(run_dir)
+        except BaseException:  # refused (not a run): leave the folder as it was found
+            if run_lock is not None:
+                run_lock.release()
+            if made_lock:
+                lock_file.unlink(missing_ok=True)
+            raise
     try:
         # what the run will write is claimed before anything is (rundir/outputs.py)
         claim_all(run_dir, [*outputs_of(cfg), *_entry_of(run_dir, target)])
