@@ -80,3 +80,18 @@ def test_report_html_top_line_agrees(tmp_path) -> None:
     running = load_run(run_dir)
     items = {name: text for name, _, text in headline(running)}
     assert items["tokens/s"] == "2,000"
+
+
+def test_a_segment_that_logged_only_its_start_up_shows_the_headline_figures(tmp_path) -> None:
+    """A resumed segment with one logged row (its start-up interval): the headline falls
+    back to that row, and so does the segment's own entry, so the two agree."""
+    run = _run(tmp_path, [(EP2, 2)])
+    open_segment(run, start_step=10, steps=12, lr_horizon=10, world_size=1, layout=ONE)
+    close_segment(run, 2, 12, "completed", wall_s=1.0)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(_row(12, 2, 4888.0, 0.2)) + "\n")
+    figures = history_figures(run_history(run))
+    assert figures["headline_segments"] == [2]
+    assert figures["tokens_per_s"] == 4888.0
+    assert figures["segments"][1]["tokens_per_s"] == 4888.0
+    assert figures["segments"][1]["mfu"] == 0.2

@@ -153,8 +153,11 @@ def history_figures(history: dict[str, Any]) -> dict[str, Any]:
     rows, segments = history["rows"], history["segments"]
     headline = history.get("headline", history["steady"])
     walls = [s.get("wall_s") for s in segments]
-    for s in segments:  # each segment's own rates, over its steady rows
-        own = [r for r in history["steady"] if r.get("segment") == s.get("segment")]
+    for s in segments:  # each segment's own rates, over its steady rows (as the headline:
+        # its start-up interval when that is all it logged)
+        own = [r for r in history["steady"] if r.get("segment") == s.get("segment")] or [
+            r for r in rows if r.get("segment") == s.get("segment")
+        ]
         s["tokens_per_s"] = _median([r.get("tokens_per_s") for r in own])
         s["mfu"] = _median([r.get("mfu") for r in own])
     return {
