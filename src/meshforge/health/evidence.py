@@ -32,6 +32,7 @@ import yaml
 
 from meshforge.errors import MeshforgeError
 from meshforge.rundir.failures import recorded_failures
+from meshforge.rundir.flights import newest_world
 from meshforge.rundir.records import tail_rows
 from meshforge.rundir.report import read_report_or_none
 
@@ -252,10 +253,13 @@ def collect(
     def rank(k: int) -> Rank:
         return ranks.setdefault(k, Rank(k))
 
+    flights: dict[int, Any] = {}
     for path in sorted(health.glob("flight-rank-*.json")):
         record = _read_json(path)
         if record is not None and isinstance(record.get("rank"), int):
-            rank(record["rank"]).flight = record
+            flights[record["rank"]] = record
+    for k, record in newest_world(flights).items():  # not a rank an earlier launch had
+        rank(k).flight = record
     flight_times = [r.flight["time"] for r in ranks.values() if r.flight.get("time")]
     started = min((r.flight.get("started") or 0 for r in ranks.values()), default=0)
     if agent is not agent_failures and (agent or {}).get("time", started) < started:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.fileio import write_text_atomic
+from meshforge.rundir.flights import newest_world
 
 # The torch.distributed calls counted: collectives, object collectives, point-to-point.
 _WRAPPED = (
@@ -259,10 +260,13 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def read_flight_records(health: Path) -> list[dict[str, Any]]:
-    records = []
+    """The newest launch's flight records (rundir/flights.py), in rank order."""
+    records: dict[int, Any] = {}
     for path in sorted(Path(health).glob("flight-rank-*.json")):
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-    return sorted(records, key=lambda r: r.get("rank", 0))
+        if isinstance(record, dict):
+            records[record.get("rank", 0)] = record
+    return [records[k] for k in sorted(newest_world(records))]

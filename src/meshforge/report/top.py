@@ -49,6 +49,7 @@ import yaml
 from meshforge.errors import DataError
 from meshforge.observe.console import moe_summary_text
 from meshforge.observe.metrics import is_tail
+from meshforge.rundir.flights import newest_world
 from meshforge.rundir.records import tail_rows
 from meshforge.rundir.report import read_report_or_none, report_path
 from meshforge.runtime import runlock
@@ -115,7 +116,7 @@ def _flight_records(health: Path) -> dict[int, dict[str, Any] | None]:
         match = _FLIGHT_FILE.fullmatch(path.name)
         if match:
             records[int(match.group(1))] = _read_json(path)
-    return records
+    return newest_world(records)
 
 
 def _trailing_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
