@@ -258,7 +258,7 @@ def collect(
         record = _read_json(path)
         if record is not None and isinstance(record.get("rank"), int):
             flights[record["rank"]] = record
-    for k, record in newest_world(flights).items():  # not a rank an earlier launch had
+    for k, record in newest_world(flights, run_dir).items():  # not a rank an earlier launch had
         rank(k).flight = record
     flight_times = [r.flight["time"] for r in ranks.values() if r.flight.get("time")]
     started = min((r.flight.get("started") or 0 for r in ranks.values()), default=0)

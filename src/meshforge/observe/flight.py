@@ -269,4 +269,4 @@ def read_flight_records(health: Path) -> list[dict[str, Any]]:
             continue
         if isinstance(record, dict):
             records[record.get("rank", 0)] = record
-    return [records[k] for k in sorted(newest_world(records))]
+    return [records[k] for k in sorted(newest_world(records, Path(health).parent))]

@@ -116,7 +116,7 @@ def _flight_records(health: Path) -> dict[int, dict[str, Any] | None]:
         match = _FLIGHT_FILE.fullmatch(path.name)
         if match:
             records[int(match.group(1))] = _read_json(path)
-    return newest_world(records)
+    return newest_world(records, health.parent)
 
 
 def _trailing_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
