@@ -591,6 +591,12 @@ class JobConfig(_Section):
     # size names it, as the errors found while reading it do
     _source: str | None = PrivateAttr(None)
 
+    def __eq__(self, other: object) -> bool:
+        """The same settings: which file a config was read from does not count."""
+        if not isinstance(other, JobConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
     @field_validator("name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
