@@ -93,3 +93,18 @@ def _guarded_phase(item: pytest.Item):
         for _ in guard:
             pass
     return result
+
+
+@pytest.fixture
+def meshforge(capsys):
+    """`meshforge ARGS` in this process (tests/unit starts no process), as a
+    CompletedProcess: exit code, stdout, stderr."""
+    from meshforge.cli import main
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, exit_.value.code, out.out, out.err)
+
+    return run

@@ -6,13 +6,11 @@ published long-context run it was not fitted on."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_one_line_error
-from meshforge.cli import main
 from meshforge.plan.core.comm import (
     busbw_factor,
     cp_allgather_bytes,
@@ -140,17 +138,6 @@ def test_the_search_finds_cp_where_cp_1_does_not_fit():
     assert none.best is None  # 128k tokens of an 8B model on one rank: no fit
     found = search_layouts(LLAMA8B, training, _cluster(64), choice)
     assert found.best is not None and found.best.layout.cp > 1
-
-
-@pytest.fixture
-def meshforge(capsys):
-    def run(args: list[str]) -> subprocess.CompletedProcess:
-        with pytest.raises(SystemExit) as exit_:
-            main(args)
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, exit_.value.code, out.out, out.err)
-
-    return run
 
 
 _PLAN = ["plan", "--model", "llama-8b", "--seq", "131072", "--gpus", "64", "--global-batch",

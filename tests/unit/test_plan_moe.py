@@ -5,14 +5,12 @@ FLOPs, the expert-parallel all-to-alls against the link, ep in the layout search
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_one_line_error
-from meshforge.cli import main
 from meshforge.config import ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.plan.core.comm import busbw_factor, ep_alltoall_bytes
@@ -202,20 +200,6 @@ def test_flags_build_the_preset_and_a_shape_alike():
 
 
 # -- meshforge plan -------------------------------------------------------------------
-
-
-@pytest.fixture
-def meshforge(capsys):
-    """`meshforge ARGS` in this process (tests/unit starts no process), as a
-    CompletedProcess: exit code, stdout, stderr."""
-
-    def run(args: list[str]) -> subprocess.CompletedProcess:
-        with pytest.raises(SystemExit) as exit_:
-            main(args)
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, exit_.value.code, out.out, out.err)
-
-    return run
 
 
 _SHAPE = ["plan", "--layers", "4", "--hidden", "512", "--heads", "8", "--vocab", "1000",
