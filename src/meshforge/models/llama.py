@@ -80,6 +80,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(q, cfg.d_model, bias=False)
         self.theta = cfg.rope_theta
 
+    # what computes attention from q, k, v: a parallel layer may give an instance its
+    # own (models/attention.py; context parallelism)
+    attend = staticmethod(attend)
+
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # "-1": the heads this shard holds (a tensor-parallel rank has whole heads)
@@ -93,7 +97,7 @@ class Attention(nn.Module):
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, docs)
+        y = self.attend(q, k, v, docs)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,0 +1,169 @@
+"""Context parallelism (`parallel.cp`): each of the cp ranks of a sequence holds 1/cp
+of its tokens, and attention sees the keys and values of the whole sequence. The
+models (models/gpt.py, models/llama.py) never see it.
+
+Head-tail split. Causal attention costs a token in proportion to its position, so
+a contiguous split would give the last rank most of the work. The sequence is cut
+into 2 x cp chunks of S / (2 cp) tokens and cp rank r keeps chunks r and 2cp-1-r
+(Megatron-LM's and Llama 3's balanced split): every rank then holds the same share
+of the causal work.
+
+    S = 8, cp = 2:   chunks  [0 1] [2 3] [4 5] [6 7]
+                     rank 0   x                 x       positions 0 1 6 7
+                     rank 1         x     x             positions 2 3 4 5
+
+The split (`ContextSplit.shard`, called by the step with the full micro-batch every
+cp rank of a data-parallel rank reads): this rank's tokens of x and y, and the
+`Documents` the model takes -- the positions of its tokens in the whole sequence (or,
+with data.document_masking, inside their documents: document ids are found on the
+full sequence first), and a mask of its queries against every key (causal by global
+position, within the same document). Learned position embeddings and rotary angles
+are those of world 1; the loss over this rank's tokens is the mean of S/cp of them,
+and the mean over the cp ranks (all holding S/cp) is world 1's mean over all S.
+
+Attention, `parallel.cp_method: allgather` (Llama 3's method, `AllGatherAttend`): K
+and V are all-gathered over the cp group with autograd (torch's functional
+`all_gather_single_autograd`, whose backward is a reduce-scatter with sum: each rank gets the
+gradients every rank's queries sent to its keys and values), then SDPA runs this
+rank's queries against all S keys with the mask. The gathered keys stay in rank
+order (rank 0's two chunks, then rank 1's, ...): the mask is built for that order
+(`key_positions`), so nothing is reordered. Memory: a rank holds the whole
+sequence's K and V for one layer at a time, plus its own S/cp share of everything
+else. `ring` (CUDA only) and `alltoall` (Ulysses) are refused by the layout rules.
+
+Gradients. Every cp rank computes the gradient of its own loss, plus (through the
+reduce-scatter) what the other ranks' losses owe its keys and values; summed over
+the cp ranks that is cp times the gradient of their mean loss, so averaging over
+the dp x cp ranks ("dp_cp", parallel/mesh.py) gives world 1's gradient. The data-
+parallel wrappers (DDP, FSDP2, replicate) run over "dp_cp" for that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshforge.models.attention import Documents, attend, document_ids
+
+try:  # the name of newer torch (the older one warns there that it is deprecated)
+    from torch.distributed._functional_collectives import (
+        all_gather_single_autograd as all_gather_autograd,
+    )
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor_autograd as all_gather_autograd,
+    )
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions in the whole sequence (int64, S/cp) of the tokens cp rank `rank`
+    keeps: chunks `rank` and `2cp-1-rank` of 2cp, in that order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c)
+    tail = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat((head, tail))
+
+
+def key_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The positions in the whole sequence (int64, S) of the keys an all-gather over the
+    cp ranks returns: rank 0's tokens, then rank 1's, ..."""
+    return torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
+
+
+class ContextSplit:
+    """This rank's share of each micro-batch under context parallelism (module
+    docstring): `shard` keeps its tokens and builds the `Documents` its attention
+    needs."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, cp_mesh: DeviceMesh) -> ContextSplit:
+        return cls(cp_mesh.get_local_rank(), cp_mesh.size())
+
+    def _positions(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's positions (S/cp), the gathered keys' positions (S)), cached."""
+        key = (seq_len, device)
+        if key not in self._cache:
+            mine = chunk_positions(seq_len, self.size, self.rank).to(device)
+            keys = key_positions(seq_len, self.size).to(device)
+            self._cache[key] = (mine, keys)
+        return self._cache[key]
+
+    def shard(
+        self, x: torch.Tensor, y: torch.Tensor, eot_id: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Documents]:
+        """This rank's tokens of the full micro-batch x, y (b, S): (x, y) of shape
+        (b, S/cp) and their Documents (positions (b, S/cp), mask (b or 1, 1, S/cp, S)).
+        `eot_id`: data.document_masking's separator (None: one causal sequence a row)."""
+        b, s = x.shape
+        mine, keys = self._positions(s, x.device)
+        causal = keys[None, :] <= mine[:, None]  # (S/cp, S)
+        if eot_id is None:
+            positions = mine.expand(b, -1)
+            ids = torch.zeros_like(positions)
+            mask = causal[None, None]
+        else:
+            doc_ids, doc_positions = document_ids(x, eot_id)  # on the whole sequence
+            ids, positions = doc_ids[:, mine], doc_positions[:, mine]
+            same = ids[:, :, None] == doc_ids[:, keys][:, None, :]
+            mask = (same & causal).unsqueeze(1)
+        docs = Documents(ids=ids, positions=positions, mask=mask)
+        return x[:, mine], y[:, mine], docs
+
+
+class AllGatherAttend:
+    """`parallel.cp_method: allgather`: an attention module's attend (models/attention.py)
+    that all-gathers K and V over the cp group, then attends this rank's queries against
+    all keys with `docs.mask` (module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        docs: Documents | None = None,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
+        if docs is None:
+            raise RuntimeError(
+                "context-parallel attention needs the Documents of ContextSplit.shard "
+                "(the queries' positions and their mask)"
+            )
+        # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
+        # the sequence (dim 0, so the ranks' blocks simply follow each other)
+        kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
+        full = all_gather_autograd(kv, 0, self.group)
+        k_all, v_all = full.permute(1, 2, 3, 0, 4).unbind(0)  # (b, h, S, d) each
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=docs.mask, dropout_p=dropout_p
+        )
+
+
+def attention_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module` that compute attention through models.attention.attend
+    (the models' `attend` attribute)."""
+    return [m for m in module.modules() if getattr(m, "attend", None) is attend]
+
+
+def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
+    """Give every attention module of `module` the context-parallel attend of `method`
+    over `cp_mesh` (in place; nothing is communicated)."""
+    if method != "allgather":  # the layout rules refuse the others first
+        raise ValueError(f"parallel.cp_method={method} is not built")
+    layers = attention_modules(module)
+    if not layers:
+        raise ValueError("context parallelism found no attention module using models.attention")
+    attend_all = AllGatherAttend(cp_mesh.get_group())
+    for m in layers:
+        m.attend = attend_all
