@@ -423,6 +423,12 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             f"{n.show('cp', cp)} needs {n.show('seq_len', shape.seq_len)} divisible by "
             f"2 x cp = {2 * cp} (each rank keeps a chunk from each end of every sequence)"
         )
+    elif req.sequence_parallel and req.tp > 1 and (shape.seq_len // cp) % req.tp:
+        out.append(
+            f"{n.name('sequence_parallel')}: {n.show('tp', req.tp)} does not divide the "
+            f"{shape.seq_len // cp} tokens a rank holds of {n.show('seq_len', shape.seq_len)} "
+            f"under {n.show('cp', cp)}"
+        )
     if req.servers is not None:
         out.append(
             f"{n.show('cp', cp)} with {n.show('mode', 'parameter_server')} is not supported "
