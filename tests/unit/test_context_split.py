@@ -148,3 +148,108 @@ def test_the_job_file_carries_cp_and_its_method():
     assert (dims.dp, dims.cp) == (2, 2)
     with pytest.raises(ConfigError, match="parallel.cp_method=ring runs on CUDA"):
         build_config({**raw, "parallel": {"cp": 2, "cp_method": "ring"}}).dims(2)
+
+
+# -- the whole model, its cp ranks as threads --------------------------------------------------
+
+
+class _ThreadGroup:
+    """cp ranks as threads of this process: an all-gather (and, backward, a reduce-
+    scatter) exchanging tensors through a barrier, as the gloo collective would."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size = size
+        self.slots: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.barrier.wait()  # everyone has read the previous exchange
+        self.slots[rank] = t
+        self.barrier.wait()
+        return list(self.slots)  # type: ignore[arg-type]
+
+
+class _ThreadGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group, rank):
+        ctx.group, ctx.rank = group, rank
+        return torch.cat(group.exchange(rank, t.detach().clone()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks = ctx.group.exchange(ctx.rank, grad.detach().clone())
+        mine = [b.chunk(ctx.group.size)[ctx.rank] for b in blocks]
+        return torch.stack(mine).sum(0), None, None
+
+
+def _threaded_attend(group: _ThreadGroup, rank: int):
+    from meshforge.parallel.context_parallel import AllGatherAttend
+
+    class ThreadAttend(AllGatherAttend):
+        def gather(self, t):
+            return _ThreadGather.apply(t, group, rank)
+
+    return ThreadAttend(group=None)  # type: ignore[arg-type]
+
+
+def _models():
+    from meshforge.models.llama import Llama, LlamaArgs
+
+    gpt = GPTArgs(
+        vocab_size=16, d_model=16, n_layers=2, n_heads=2, seq_len=16, tie_embeddings=False
+    )
+    llama = LlamaArgs(vocab_size=16, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                      seq_len=16, ffn_hidden=32)  # fmt: skip
+    return {"gpt": lambda: GPT(gpt), "llama": lambda: Llama(llama)}
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("masking", [False, True], ids=["causal", "documents"])
+def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking):
+    import threading
+
+    from meshforge.train.step import cross_entropy
+
+    cp, s = 2, 16
+    build = _models()[model]
+    x = _tokens(2, s, seed=3)
+    y = _tokens(2, s, seed=4)
+    torch.manual_seed(0)
+    ref_model = build()
+    eot = EOT if masking else None
+    docs = documents_of(x, EOT) if masking else None
+    ref_loss = cross_entropy(ref_model(x, docs=docs), y)
+    ref_loss.backward()
+
+    group = _ThreadGroup(cp)
+    results: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            torch.manual_seed(0)
+            m = build()
+            for layer in attention_modules(m):
+                layer.attend = _threaded_attend(group, rank)
+            xs, ys, d = ContextSplit(rank, cp).shard(x, y, eot)
+            loss = cross_entropy(m(xs, docs=d), ys)
+            loss.backward()
+            results[rank] = (loss.item(), {n: p.grad for n, p in m.named_parameters()})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    # the mean of the ranks' losses is world 1's; so is the mean of their gradients
+    mean_loss = sum(results[r][0] for r in range(cp)) / cp
+    assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    for name, p in ref_model.named_parameters():
+        mean_grad = sum(results[r][1][name] for r in range(cp)) / cp
+        torch.testing.assert_close(mean_grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -143,11 +143,16 @@ class AllGatherAttend:
         # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
         # the sequence (dim 0, so the ranks' blocks simply follow each other)
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
-        full = all_gather_autograd(kv, 0, self.group)
+        full = self.gather(kv)
         k_all, v_all = full.permute(1, 2, 3, 0, 4).unbind(0)  # (b, h, S, d) each
         return F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=docs.mask, dropout_p=dropout_p
         )
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` of every cp rank, concatenated along dim 0 in rank order; its backward
+        sums each rank's gradients of this rank's block (a reduce-scatter)."""
+        return all_gather_autograd(t, 0, self.group)
 
 
 def attention_modules(module: nn.Module) -> list[nn.Module]:
