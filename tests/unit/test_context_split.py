@@ -46,6 +46,21 @@ def _tokens(b: int, s: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 12, (b, s), generator=g)  # EOT=9 appears: several documents
 
 
+class _GivenKV:
+    """An AllGatherAttend whose all-gather hands back `kv`, every rank's K and V."""
+
+    def __new__(cls, kv: torch.Tensor):
+        from meshforge.parallel.context_parallel import AllGatherAttend
+
+        class Given(AllGatherAttend):
+            def gather(self, t):
+                assert t.shape[0] * self.size == kv.shape[0]
+                return kv
+
+        attend = Given(group=None)  # type: ignore[arg-type]
+        return attend
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("masking", [False, True], ids=["causal", "documents"])
 def test_local_queries_against_gathered_keys_equal_world_1_attention(cp, masking):
@@ -53,7 +68,7 @@ def test_local_queries_against_gathered_keys_equal_world_1_attention(cp, masking
     b, h, s, d = 2, 3, 16, 8
     x = _tokens(b, s, seed=1)
     y = torch.roll(x, -1, dims=1)
-    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
     if masking:
         ref_docs = documents_of(x, EOT)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ref_docs.mask)
@@ -61,21 +76,29 @@ def test_local_queries_against_gathered_keys_equal_world_1_attention(cp, masking
     else:
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         ref_positions = torch.arange(s).expand(b, s)
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     keys = key_positions(s, cp)
     seen = torch.zeros(b, s, dtype=torch.long)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
     for rank in range(cp):
         xs, ys, docs = ContextSplit(rank, cp).shard(x, y, EOT if masking else None)
         mine = chunk_positions(s, cp, rank)
         assert torch.equal(xs, x[:, mine]) and torch.equal(ys, y[:, mine])
         assert torch.equal(docs.positions, ref_positions[:, mine])
-        assert docs.mask.shape[-2:] == (s // cp, s)
-        # what the all-gather hands every rank: the keys in rank order
-        out = F.scaled_dot_product_attention(
-            q[:, :, mine], k[:, :, keys], v[:, :, keys], attn_mask=docs.mask
-        )
+        assert (docs.mask is not None) == masking  # plain causal: no mask at all
+        # what the all-gather hands every rank: (S, 2, b, h, d), the keys in rank order
+        attend = _GivenKV(torch.stack((k, v)).permute(3, 0, 1, 2, 4)[keys])
+        attend.size = cp
+        out = attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], docs)
         torch.testing.assert_close(out, ref[:, :, mine], rtol=1e-5, atol=1e-6)
+        mine_grads = torch.autograd.grad((out * w[:, :, mine]).sum(), (q, k, v))
+        for total, g in zip(grads, mine_grads, strict=True):
+            total += g
         seen[:, mine] += 1
     assert torch.equal(seen, torch.ones(b, s, dtype=torch.long))  # the loss covers each once
+    for g, ref_g in zip(grads, ref_grads, strict=True):  # block by block, or masked
+        torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-5)
 
 
 def test_the_model_keeps_its_attend_until_context_parallelism_swaps_it():

@@ -40,6 +40,10 @@ parallel wrappers (DDP, FSDP2, replicate) run over "dp_cp" for that reason.
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,6 +79,16 @@ def key_positions(seq_len: int, cp: int) -> torch.Tensor:
     return torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
 
 
+@dataclass(frozen=True)
+class ContextDocuments(Documents):
+    """The `Documents` of this rank's tokens under context parallelism (`positions`
+    (b, S/cp)). `mask` (b, 1, S/cp, S) with data.document_masking; None for plain
+    causal attention, which `AllGatherAttend` then runs block by block without one."""
+
+    rank: int = 0
+    size: int = 1
+
+
 class ContextSplit:
     """This rank's share of each micro-batch under context parallelism (module
     docstring): `shard` keeps its tokens and builds the `Documents` its attention
@@ -82,47 +96,54 @@ class ContextSplit:
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def of(cls, cp_mesh: DeviceMesh) -> ContextSplit:
         return cls(cp_mesh.get_local_rank(), cp_mesh.size())
 
-    def _positions(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's positions (S/cp), the gathered keys' positions (S)), cached."""
-        key = (seq_len, device)
-        if key not in self._cache:
-            mine = chunk_positions(seq_len, self.size, self.rank).to(device)
-            keys = key_positions(seq_len, self.size).to(device)
-            self._cache[key] = (mine, keys)
-        return self._cache[key]
-
     def shard(
         self, x: torch.Tensor, y: torch.Tensor, eot_id: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, Documents]:
+    ) -> tuple[torch.Tensor, torch.Tensor, ContextDocuments]:
         """This rank's tokens of the full micro-batch x, y (b, S): (x, y) of shape
-        (b, S/cp) and their Documents (positions (b, S/cp), mask (b or 1, 1, S/cp, S)).
-        `eot_id`: data.document_masking's separator (None: one causal sequence a row)."""
+        (b, S/cp) and their ContextDocuments. `eot_id`: data.document_masking's
+        separator (None: one causal sequence a row, and no mask)."""
         b, s = x.shape
-        mine, keys = self._positions(s, x.device)
-        causal = keys[None, :] <= mine[:, None]  # (S/cp, S)
+        mine, keys = _positions(s, self.size, self.rank, x.device)
         if eot_id is None:
             positions = mine.expand(b, -1)
-            ids = torch.zeros_like(positions)
-            mask = causal[None, None]
+            ids, mask = torch.zeros_like(positions), None
         else:
             doc_ids, doc_positions = document_ids(x, eot_id)  # on the whole sequence
             ids, positions = doc_ids[:, mine], doc_positions[:, mine]
+            causal = keys[None, :] <= mine[:, None]  # (S/cp, S)
             same = ids[:, :, None] == doc_ids[:, keys][:, None, :]
             mask = (same & causal).unsqueeze(1)
-        docs = Documents(ids=ids, positions=positions, mask=mask)
+        docs = ContextDocuments(ids, positions, mask, rank=self.rank, size=self.size)  # type: ignore[arg-type]
         return x[:, mine], y[:, mine], docs
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(
+    seq_len: int, cp: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's positions (S/cp), the gathered keys' positions (S)) on `device`."""
+    return (
+        chunk_positions(seq_len, cp, rank).to(device),
+        key_positions(seq_len, cp).to(device),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """The gathered keys' indices in sequence order: gathered[order] is sequence order."""
+    return torch.argsort(key_positions(seq_len, cp)).to(device)
 
 
 class AllGatherAttend:
     """`parallel.cp_method: allgather`: an attention module's attend (models/attention.py)
     that all-gathers K and V over the cp group, then attends this rank's queries against
-    all keys with `docs.mask` (module docstring)."""
+    all keys (module docstring): with documents under their mask; plain causal
+    attention block by block (`_CausalBlocks`, on CPU) or under a causal mask."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -135,24 +156,100 @@ class AllGatherAttend:
         docs: Documents | None = None,
         dropout_p: float = 0.0,
     ) -> torch.Tensor:
-        if docs is None:
+        if not isinstance(docs, ContextDocuments):
             raise RuntimeError(
-                "context-parallel attention needs the Documents of ContextSplit.shard "
-                "(the queries' positions and their mask)"
+                "context-parallel attention needs the ContextDocuments of "
+                "ContextSplit.shard (the queries' positions, their mask)"
             )
         # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
         # the sequence (dim 0, so the ranks' blocks simply follow each other)
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
         full = self.gather(kv)
+        seq_len, cp, rank = full.shape[0], docs.size, docs.rank
+        mask = docs.mask
+        if mask is None and dropout_p == 0.0 and _CausalBlocks.runs_on(q):
+            order = _sequence_order(seq_len, cp, full.device)
+            k_seq, v_seq = full.index_select(0, order).permute(1, 2, 3, 0, 4).unbind(0)
+            return _CausalBlocks.apply(q, k_seq, v_seq, rank, cp)
+        if mask is None:  # plain causal, by global position
+            mine, keys = _positions(seq_len, cp, rank, full.device)
+            mask = (keys[None, :] <= mine[:, None])[None, None]
         k_all, v_all = full.permute(1, 2, 3, 0, 4).unbind(0)  # (b, h, S, d) each
-        return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=docs.mask, dropout_p=dropout_p
-        )
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """`t` of every cp rank, concatenated along dim 0 in rank order; its backward
         sums each rank's gradients of this rank's block (a reduce-scatter)."""
         return all_gather_autograd(t, 0, self.group)
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of this cp rank's two chunks (head i = rank, tail j = 2cp-1-rank)
+    against the keys of the whole sequence, in sequence order, without an S/cp x S mask:
+    chunk i attends chunks 0..i-1 in full and chunk i causally (a square block, where
+    SDPA's causal mask is the right one). Each block is one flash-attention call
+    returning its output and log-sum-exp; the blocks merge by their log-sum-exps, and
+    backward runs each block's flash backward with the merged output and log-sum-exp
+    (the blockwise attention of ring attention). Memory: q, the whole K and V, the
+    output and the log-sum-exp, as SDPA's own flash kernel saves for world 1.
+    CPU only here (aten's flash kernel for CPU); elsewhere attention takes the mask."""
+
+    @staticmethod
+    def runs_on(q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+    @staticmethod
+    def blocks(rank: int, cp: int, c: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+        """(the chunk's rows of q, [(keys, causal), ...]) for the head and tail chunks."""
+        out = []
+        for n, i in enumerate((rank, 2 * cp - 1 - rank)):
+            keys = [(slice(0, i * c), False)] if i > 0 else []
+            keys.append((slice(i * c, (i + 1) * c), True))
+            out.append((slice(n * c, (n + 1) * c), keys))
+        return out
+
+    @staticmethod
+    def forward(ctx, q, k, v, rank: int, cp: int):  # type: ignore[override]
+        c = q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        outs, lses = [], []
+        for rows, keys in _CausalBlocks.blocks(rank, cp, c):
+            qc, out, lse = q[:, :, rows], None, None
+            for ks, causal in keys:
+                block, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qc, k[:, :, ks], v[:, :, ks], 0.0, causal, scale=scale
+                )
+                block, block_lse = block.float(), block_lse.float()
+                if out is None:
+                    out, lse = block, block_lse
+                else:  # merge by log-sum-exp
+                    new = torch.logaddexp(lse, block_lse)
+                    out = (out * (lse - new).exp()[..., None]
+                           + block * (block_lse - new).exp()[..., None])  # fmt: skip
+                    lse = new
+            outs.append(out)
+            lses.append(lse)
+        out = torch.cat(outs, dim=2).to(q.dtype)
+        lse = torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rank, ctx.cp, ctx.scale = rank, cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, keys in _CausalBlocks.blocks(ctx.rank, ctx.cp, q.shape[2] // 2):
+            g, qc, oc, lc = grad[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
+            for ks, causal in keys:
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g, qc, k[:, :, ks], v[:, :, ks], oc, lc, 0.0, causal, scale=ctx.scale
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, ks] += gk
+                dv[:, :, ks] += gv
+        return dq, dk, dv, None, None
 
 
 def attention_modules(module: nn.Module) -> list[nn.Module]:
