@@ -23,13 +23,20 @@ and the mean over the cp ranks (all holding S/cp) is world 1's mean over all S.
 
 Attention, `parallel.cp_method: allgather` (Llama 3's method, `AllGatherAttend`): K
 and V are all-gathered over the cp group with autograd (torch's functional
-`all_gather_single_autograd`, whose backward is a reduce-scatter with sum: each rank gets the
-gradients every rank's queries sent to its keys and values), then SDPA runs this
-rank's queries against all S keys with the mask. The gathered keys stay in rank
-order (rank 0's two chunks, then rank 1's, ...): the mask is built for that order
-(`key_positions`), so nothing is reordered. Memory: a rank holds the whole
-sequence's K and V for one layer at a time, plus its own S/cp share of everything
-else. `ring` (CUDA only) and `alltoall` (Ulysses) are refused by the layout rules.
+`all_gather_single_autograd`, whose backward is a reduce-scatter with sum: each rank
+gets the gradients every rank's queries sent to its keys and values), in one
+collective per layer; then this rank's queries attend all S keys:
+- plain causal attention (no document masking), on CPU: block by block
+  (`_CausalBlocks`): the keys put in sequence order, chunk i's queries attend chunks
+  0..i-1 in full and chunk i causally, each block one flash-attention call, merged
+  by their log-sum-exps; backward runs each block's flash backward. No S/cp x S mask
+  exists, so a rank saves for backward its S/cp share of every activation plus the
+  whole sequence's K and V (0.58x world 1's at seq 1024 for the tests' tiny GPT);
+- with document masking (and elsewhere than on CPU, or with attention dropout):
+  SDPA under the mask (b or 1, 1, S/cp, S) of the local queries against the keys in
+  the order they were gathered (rank 0's two chunks, then rank 1's, ...;
+  `key_positions`), causal by global position and within the same document.
+`ring` (CUDA only) and `alltoall` (Ulysses) are refused by the layout rules.
 
 Gradients. Every cp rank computes the gradient of its own loss, plus (through the
 reduce-scatter) what the other ranks' losses owe its keys and values; summed over
