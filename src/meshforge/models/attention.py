@@ -82,7 +82,17 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal scaled dot-product attention of q, k, v (b, heads, s, head_dim); with
-    `docs`, each token attends only to earlier tokens of its own document."""
+    `docs`, each token attends only to earlier tokens of its own document. Grouped-query
+    attention: k and v may have fewer heads (a divisor of q's); each is repeated for
+    its group of query heads (`repeat_kv`)."""
+    k, v = repeat_kv(q, k), repeat_kv(q, v)
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout_p)
+
+
+def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Key or value heads `kv` (b, kv_heads, s, d) repeated for the query heads of `q`
+    (b, heads, s, d): head j serves query heads j*g .. j*g+g-1, g = heads / kv_heads."""
+    group = q.shape[1] // kv.shape[1]  # query heads per key/value head
+    return kv.repeat_interleave(group, dim=1) if group > 1 else kv

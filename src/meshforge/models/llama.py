@@ -93,10 +93,7 @@ class Attention(nn.Module):
         positions = None if docs is None else docs.positions
         cos, sin = rotary(x, self.theta, self.head_dim, s, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = q.shape[1] // k.shape[1]  # query heads per key/value head
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
+        # grouped-query attention: attend repeats each key/value head for its query heads
         y = self.attend(q, k, v, docs)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 

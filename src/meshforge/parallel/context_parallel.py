@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshforge.models.attention import Documents, attend, document_ids
+from meshforge.models.attention import Documents, attend, document_ids, repeat_kv
 
 try:  # the name of newer torch (the older one warns there that it is deprecated)
     from torch.distributed._functional_collectives import (
@@ -169,7 +169,8 @@ class AllGatherAttend:
                 "ContextSplit.shard (the queries' positions, their mask)"
             )
         # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
-        # the sequence (dim 0, so the ranks' blocks simply follow each other)
+        # the sequence (dim 0, so the ranks' blocks simply follow each other); under
+        # grouped-query attention their fewer heads travel, repeated after the gather
         kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
         full = self.gather(kv)
         seq_len, cp, rank = full.shape[0], docs.size, docs.rank
@@ -181,7 +182,7 @@ class AllGatherAttend:
         if mask is None:  # plain causal, by global position
             mine, keys = _positions(seq_len, cp, rank, full.device)
             mask = (keys[None, :] <= mine[:, None])[None, None]
-        k_all, v_all = full.permute(1, 2, 3, 0, 4).unbind(0)  # (b, h, S, d) each
+        k_all, v_all = (repeat_kv(q, t) for t in full.permute(1, 2, 3, 0, 4).unbind(0))
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -197,8 +198,9 @@ class _CausalBlocks(torch.autograd.Function):
     SDPA's causal mask is the right one). Each block is one flash-attention call
     returning its output and log-sum-exp; the blocks merge by their log-sum-exps, and
     backward runs each block's flash backward with the merged output and log-sum-exp
-    (the blockwise attention of ring attention). Memory: q, the whole K and V, the
-    output and the log-sum-exp, as SDPA's own flash kernel saves for world 1.
+    (the blockwise attention of ring attention). Memory: q, the whole K and V (with
+    their own heads: grouped-query heads are repeated in forward and again in
+    backward, not kept), the output and the log-sum-exp.
     CPU only here (aten's flash kernel for CPU); elsewhere attention takes the mask."""
 
     @staticmethod
@@ -219,12 +221,13 @@ class _CausalBlocks(torch.autograd.Function):
     def forward(ctx, q, k, v, rank: int, cp: int):  # type: ignore[override]
         c = q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
         outs, lses = [], []
         for rows, keys in _CausalBlocks.blocks(rank, cp, c):
             qc, out, lse = q[:, :, rows], None, None
             for ks, causal in keys:
                 block, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    qc, k[:, :, ks], v[:, :, ks], 0.0, causal, scale=scale
+                    qc, kr[:, :, ks], vr[:, :, ks], 0.0, causal, scale=scale
                 )
                 block, block_lse = block.float(), block_lse.float()
                 if out is None:
@@ -246,16 +249,21 @@ class _CausalBlocks(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
         for rows, keys in _CausalBlocks.blocks(ctx.rank, ctx.cp, q.shape[2] // 2):
             g, qc, oc, lc = grad[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
             for ks, causal in keys:
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    g, qc, k[:, :, ks], v[:, :, ks], oc, lc, 0.0, causal, scale=ctx.scale
+                    g, qc, kr[:, :, ks], vr[:, :, ks], oc, lc, 0.0, causal, scale=ctx.scale
                 )
                 dq[:, :, rows] += gq
                 dk[:, :, ks] += gk
                 dv[:, :, ks] += gv
+        if dk.shape[1] != k.shape[1]:  # each key/value head served a group of query heads
+            b, _, s, d = k.shape
+            dk = dk.view(b, k.shape[1], -1, s, d).sum(2)
+            dv = dv.view(b, v.shape[1], -1, s, d).sum(2)
         return dq, dk, dv, None, None
 
 
