@@ -312,6 +312,12 @@ class ParallelConfig(_Section):
     # borrowed from the data-parallel ranks (ep divides dp), tokens reach their experts
     # by all-to-all
     ep: int = Field(1, ge=1)
+    # context parallel: each rank holds 1/cp of every sequence (two chunks of 1/(2 cp),
+    # head and tail, so causal work is balanced); a mesh dimension of its own
+    cp: int = Field(1, ge=1)
+    # how attention sees the other cp ranks' keys and values: allgather (all-gather K
+    # and V, Llama 3's); ring and alltoall (Ulysses) are refused, not yet built
+    cp_method: Literal["allgather", "ring", "alltoall"] = "allgather"
     # Under pp > 1 the pipeline's micro-batches are the gradient-accumulation
     # micro-batches: global_batch / (dp x micro_batch) of them, micro_batch each.
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = "1f1b"
@@ -365,6 +371,7 @@ def check_comm(p: ParallelConfig) -> None:
     # settings that differ from their defaults (a resolved config.yaml lists them all)
     given = {k for k, f in CommConfig.model_fields.items() if getattr(c, k) != f.default}
     layout = f"parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}" + (f", ep={p.ep}" if p.ep > 1 else "")
+    layout += f", cp={p.cp}" if p.cp > 1 else ""
     if p.mode == "parameter_server":
         if p.zero or p.tp > 1 or p.pp > 1:
             raise ValueError(
@@ -653,6 +660,8 @@ class JobConfig(_Section):
             tp=p.tp,
             pp=p.pp,
             ep=p.ep,
+            cp=p.cp,
+            cp_method=p.cp_method,
             dp=None if p.dp == "auto" else p.dp,
             zero=p.zero,
             sequence_parallel=p.sequence_parallel,

@@ -41,7 +41,7 @@ def test_derive_fills_dp_and_microbatches_from_the_world():
     req = LayoutRequest(tp=2, pp=2, global_batch=16, micro_batch=2)
     dims = derive(req, SHAPE, world_size=8)
     assert (dims.dp, dims.tp, dims.pp, dims.microbatches) == (2, 2, 2, 4)
-    assert dims.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
+    assert dims.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}
     with pytest.raises(ConfigError, match="world size 6 is not divisible by parallel.tp=2"):
         derive(req, SHAPE, world_size=6)
 

@@ -196,6 +196,7 @@ def layout_line(cfg: JobConfig, world: int, run_dir: Path) -> str:
         )
     pp = f" ({dims.pp_schedule})" if dims.pp_enabled else ""
     pp += f" ep={dims.ep}" if dims.ep_enabled else ""
+    pp += f" cp={dims.cp} ({dims.cp_method})" if dims.cp_enabled else ""
     comm = cfg._parallel().comm
     extra = f" compression={comm.compression}" if comm.compression != "none" else ""
     extra += "" if comm.overlap else " overlap=off"

@@ -59,6 +59,8 @@ JOB_NAMES = Names(
         "tp": "parallel.tp",
         "pp": "parallel.pp",
         "ep": "parallel.ep",
+        "cp": "parallel.cp",
+        "cp_method": "parallel.cp_method",
         "experts": "model.moe.experts",
         "zero": "parallel.zero",
         "sequence_parallel": "parallel.sequence_parallel",
@@ -112,6 +114,8 @@ class LayoutRequest:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
+    cp_method: str = "allgather"
     dp: int | None = None
     zero: int = 0
     sequence_parallel: bool = False
@@ -143,6 +147,7 @@ def check(
         ("tp", req.tp),
         ("pp", req.pp),
         ("ep", req.ep),
+        ("cp", req.cp),
         ("virtual_stages", req.virtual_stages),
     ]
     for key, value in ([("dp", req.dp)] if req.dp is not None else []) + degrees:
@@ -166,6 +171,7 @@ def check(
     if trainer:
         out += _trainer_rules(req, shape, n)
         out += _expert_rules(req, shape, n)
+        out += _context_rules(req, shape, n)
     dp = _world_rules(req, n, world_size, out)
     if dp is not None and req.ep > 1 and dp % req.ep:
         out.append(
@@ -196,12 +202,14 @@ def derive(
             ps_sync=req.ps_sync,
             max_staleness=req.max_staleness,
         )
-    dp = world_size // (req.tp * req.pp)
+    dp = world_size // (req.tp * req.pp * req.cp)
     return ParallelDims(
         dp=dp,
         tp=req.tp,
         pp=req.pp,
         ep=req.ep,
+        cp=req.cp,
+        cp_method=req.cp_method,
         zero=req.zero,
         sequence_parallel=req.sequence_parallel,
         pp_schedule=req.pp_schedule,
@@ -382,6 +390,65 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
     return out
 
 
+def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
+    """Context parallelism: every sequence cut into 2 x cp chunks (two per rank, head
+    and tail, for balanced causal work), attention by all-gathering keys and values,
+    on meshforge's models, beside the layouts it is known to compose with."""
+    cp, out = req.cp, []
+    if cp == 1:  # no attention method applies
+        return out
+    if req.cp_method == "ring":
+        out.append(
+            f"{n.show('cp_method', 'ring')} runs on CUDA devices only and is not yet built "
+            f"here; use {n.show('cp_method', 'allgather')}"
+        )
+    elif req.cp_method == "alltoall":
+        out.append(
+            f"{n.show('cp_method', 'alltoall')} (Ulysses) is not yet supported; use "
+            f"{n.show('cp_method', 'allgather')}"
+        )
+    elif req.cp_method != "allgather":
+        out.append(
+            f"{n.name('cp_method')} must be one of allgather, ring, alltoall, got {req.cp_method!r}"
+        )
+    if shape.factory is not None:
+        out.append(
+            f"{n.show('cp', cp)} needs meshforge's gpt or llama, not "
+            f"{n.show('model', shape.factory)} (its attention cannot be given the other "
+            "ranks' keys and values)"
+        )
+        return out
+    if shape.seq_len % (2 * cp):
+        out.append(
+            f"{n.show('cp', cp)} needs {n.show('seq_len', shape.seq_len)} divisible by "
+            f"2 x cp = {2 * cp} (each rank keeps a chunk from each end of every sequence)"
+        )
+    elif req.sequence_parallel and req.tp > 1 and (shape.seq_len // cp) % req.tp:
+        out.append(
+            f"{n.name('sequence_parallel')}: {n.show('tp', req.tp)} does not divide the "
+            f"{shape.seq_len // cp} tokens a rank holds of {n.show('seq_len', shape.seq_len)} "
+            f"under {n.show('cp', cp)}"
+        )
+    if req.servers is not None:
+        out.append(
+            f"{n.show('cp', cp)} with {n.show('mode', 'parameter_server')} is not supported "
+            "(a parameter server's workers train whole sequences)"
+        )
+    if req.pp > 1:
+        out.append(
+            f"{n.show('cp', cp)} is not yet supported under a pipeline ({n.show('pp', req.pp)}): "
+            "its stages pass hidden states only"
+        )
+    if shape.experts:
+        out.append(
+            f"{n.show('cp', cp)} with a mixture-of-experts model is not yet supported "
+            "(its router balances over whole sequences)"
+        )
+    if req.compile:
+        out.append(f"{n.show('compile', True)} is not yet supported with {n.show('cp', cp)}")
+    return out
+
+
 def _world_rules(
     req: LayoutRequest, n: Names, world_size: int | None, out: list[str]
 ) -> int | None:
@@ -403,18 +470,20 @@ def _world_rules(
             )
             return None
         return workers
-    model_ranks = req.tp * req.pp
+    model_ranks = req.tp * req.pp * req.cp
+    # "x parallel.cp=N" only where cp is used: the messages of cp 1 stay as they were
+    with_cp = f" x {n.show('cp', req.cp)}" if req.cp > 1 else ""
     if world_size % model_ranks:
         out.append(
             f"world size {world_size} is not divisible by {n.show('tp', req.tp)} x "
-            f"{n.show('pp', req.pp)} = {model_ranks}"
+            f"{n.show('pp', req.pp)}{with_cp} = {model_ranks}"
         )
         return None
     dp = world_size // model_ranks
     if req.dp is not None and req.dp != dp:
         out.append(
-            f"{n.show('dp', req.dp)} x {n.show('tp', req.tp)} x {n.show('pp', req.pp)} = "
-            f"{req.dp * model_ranks} does not equal the world size {world_size}"
+            f"{n.show('dp', req.dp)} x {n.show('tp', req.tp)} x {n.show('pp', req.pp)}"
+            f"{with_cp} = {req.dp * model_ranks} does not equal the world size {world_size}"
         )
         return None
     return dp

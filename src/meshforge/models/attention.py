@@ -18,6 +18,13 @@ FlexAttention block mask would skip the masked tiles on CUDA, but is not used he
 
 Without documents (`docs=None`) attention is SDPA with `is_causal=True`, exactly as
 before: the default path is unchanged.
+
+The attention modules of the models call `self.attend(q, k, v, docs, ...)`, which is
+`attend` below unless a parallel layer gave the module its own (context parallelism,
+parallel/context_parallel.py: the keys and values of the whole sequence gathered from
+the other ranks). Such a layer builds the `Documents` too: `positions` those of the
+tokens this rank holds, `mask` their queries against every key that its attend sees.
+The models read `docs.positions` only, and hand `docs` on to attention.
 """
 
 from __future__ import annotations
@@ -32,7 +39,12 @@ import torch.nn.functional as F
 class Documents:
     """The documents of a batch of packed sequences: `ids` (b, s) the document index of
     each token within its row, `positions` (b, s) its position inside its document,
-    `mask` (b, 1, s, s) True where query t may attend key u (u <= t, same document)."""
+    `mask` (b, 1, s, s) True where query t may attend key u (u <= t, same document).
+
+    Under context parallelism (parallel/context_parallel.py) the s tokens are those of
+    this rank, `positions` are theirs in the whole sequence (or in their document), and
+    `mask` is (b or 1, 1, s, S): their queries against the S keys of the whole
+    sequence, in the order the context-parallel attend gathers them."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -41,6 +53,16 @@ class Documents:
 
 def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
     """The documents of token ids `idx` (b, s), cut after each `eot_id` token."""
+    s = idx.shape[1]
+    ids, positions = document_ids(idx, eot_id)
+    causal = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
+    mask = (ids[:, :, None] == ids[:, None, :]) & causal
+    return Documents(ids=ids, positions=positions, mask=mask.unsqueeze(1))
+
+
+def document_ids(idx: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, positions), each (b, s): the document index of each token of `idx` (b, s)
+    within its row, and its position inside its document (module docstring)."""
     b, s = idx.shape
     sep = (idx == eot_id).long()
     ids = sep.cumsum(dim=1) - sep  # separators strictly before t
@@ -49,9 +71,7 @@ def documents_of(idx: torch.Tensor, eot_id: int) -> Documents:
     starts_here = torch.ones_like(sep, dtype=torch.bool)
     starts_here[:, 1:] = sep[:, :-1].bool()
     first = torch.where(starts_here, t, torch.zeros_like(t)).cummax(dim=1).values
-    causal = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
-    mask = (ids[:, :, None] == ids[:, None, :]) & causal
-    return Documents(ids=ids, positions=t - first, mask=mask.unsqueeze(1))
+    return ids, t - first
 
 
 def attend(
@@ -62,7 +82,17 @@ def attend(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal scaled dot-product attention of q, k, v (b, heads, s, head_dim); with
-    `docs`, each token attends only to earlier tokens of its own document."""
+    `docs`, each token attends only to earlier tokens of its own document. Grouped-query
+    attention: k and v may have fewer heads (a divisor of q's); each is repeated for
+    its group of query heads (`repeat_kv`)."""
+    k, v = repeat_kv(q, k), repeat_kv(q, v)
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=dropout_p)
+
+
+def repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Key or value heads `kv` (b, kv_heads, s, d) repeated for the query heads of `q`
+    (b, heads, s, d): head j serves query heads j*g .. j*g+g-1, g = heads / kv_heads."""
+    group = q.shape[1] // kv.shape[1]  # query heads per key/value head
+    return kv.repeat_interleave(group, dim=1) if group > 1 else kv

@@ -55,6 +55,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
+    # what computes attention from q, k, v: a parallel layer may give an instance its
+    # own (models/attention.py; context parallelism)
+    attend = staticmethod(attend)
+
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # (b, s, heads*head_dim) -> (b, heads, s, head_dim); "-1": the heads this shard holds
@@ -62,7 +66,7 @@ class CausalSelfAttention(nn.Module):
             lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
         )
         p = self.dropout if self.training else 0.0
-        y = attend(q, k, v, docs, dropout_p=p)
+        y = self.attend(q, k, v, docs, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

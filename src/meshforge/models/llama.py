@@ -80,6 +80,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(q, cfg.d_model, bias=False)
         self.theta = cfg.rope_theta
 
+    # what computes attention from q, k, v: a parallel layer may give an instance its
+    # own (models/attention.py; context parallelism)
+    attend = staticmethod(attend)
+
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # "-1": the heads this shard holds (a tensor-parallel rank has whole heads)
@@ -89,11 +93,8 @@ class Attention(nn.Module):
         positions = None if docs is None else docs.positions
         cos, sin = rotary(x, self.theta, self.head_dim, s, positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = q.shape[1] // k.shape[1]  # query heads per key/value head
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, docs)
+        # grouped-query attention: attend repeats each key/value head for its query heads
+        y = self.attend(q, k, v, docs)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,7 +1,8 @@
 """Build the job's model for a layout: one function that applies, in torchtitan's
-order, pipeline split (outermost), tensor parallel, activation checkpointing,
-compile, then data parallel / ZeRO; and the model-side operations every layout
-shares (gradient sync control, the global gradient norm, the parameter digest).
+order, pipeline split (outermost), tensor parallel, expert and context parallel,
+activation checkpointing, compile, then data parallel / ZeRO; and the model-side
+operations every layout shares (gradient sync control, the global gradient norm,
+the parameter digest).
 
 meshforge's models (GPT, Llama) are built on the meta device and materialised only
 after they have been cut and sharded, so no process ever holds more than its own
@@ -16,7 +17,8 @@ Data parallel, by ZeRO stage:
   2  FSDP2 per block, parameters kept unsharded from forward to the end of backward
   3  FSDP2 per block, resharded after forward
 parallel.comm (compression hooks, deferred reduction, prefetch, reduce dtype) is
-applied by parallel/comm.py.
+applied by parallel/comm.py. Under context parallelism the wrappers span the dp x cp
+ranks ("dp_cp", parallel/mesh.py `gradient_mesh`): the cp ranks hold the same weights.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from meshforge.parallel.comm import (
     register_compression,
     set_prefetch,
 )
+from meshforge.parallel.context_parallel import apply_context_parallel
 from meshforge.parallel.expert_parallel import (
     ExpertGradSync,
     LocalExperts,
@@ -61,6 +64,7 @@ from meshforge.parallel.expert_parallel import (
     expert_parameters,
     localise_expert_weights,
 )
+from meshforge.parallel.mesh import gradient_mesh
 
 
 @dataclass
@@ -177,6 +181,8 @@ def build_model_parts(
             )
         if dims.ep_enabled:
             apply_expert_parallel(m, mesh["ep"])
+        if dims.cp_enabled:
+            apply_context_parallel(m, mesh["cp"], dims.cp_method)
         blocks = blocks_of(m)
         if not blocks and t.activation_checkpointing != "none":
             raise ConfigError(
@@ -209,7 +215,7 @@ def build_model_parts(
     comm = cfg._parallel().comm
     dtype = cfg.precision.dtype
     parts = wrap_data_parallel(
-        modules, wrapper, dims.zero, mesh["dp"], dtype, comm, device, materialise,
+        modules, wrapper, dims.zero, gradient_mesh(mesh, dims), dtype, comm, device, materialise,
         ignored=ignored, experts=experts,
     )  # fmt: skip
     parts.n_params = n_params
@@ -290,7 +296,8 @@ def loss_parallel_enabled(cfg: JobConfig, dims: ParallelDims) -> bool:
 
 
 def _data_parallel_kind(dims: ParallelDims) -> str:
-    return data_parallel_kind(dims.zero, dims.dp, dims.tp_enabled or dims.pp_enabled)
+    # the cp ranks replicate the weights as the dp ranks do
+    return data_parallel_kind(dims.zero, dims.dp * dims.cp, dims.tp_enabled or dims.pp_enabled)
 
 
 def data_parallel_kind(zero: int, dp: int, model_parallel: bool) -> str:

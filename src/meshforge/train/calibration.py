@@ -637,9 +637,9 @@ def calibrate(cfg: JobConfig, engine: Engine, device: torch.device) -> MeasuredP
     whole step (tp 1, or a pipeline of tensor-parallel stages) or its model under
     tensor parallelism alone, with the sharded-optimizer timing on the dp mesh when
     it spans the world. None under a parameter server or a user's model: the planner
-    models neither. Collective."""
+    models neither; nor yet under context parallelism. Collective."""
     dims = engine.dims
-    if dims.parameter_server or cfg.model.is_factory:
+    if dims.parameter_server or cfg.model.is_factory or dims.cp_enabled:
         return None
     whole = not (dims.tp_enabled or dims.pp_enabled)
     group = engine.mesh["dp"] if whole else None

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.config import JobConfig
 from meshforge.layout import ParallelDims
-from meshforge.parallel.mesh import build_mesh
+from meshforge.parallel.mesh import build_mesh, gradient_mesh
 from meshforge.parallel.parallelize import ModelParts, build_model_parts, param_digest
 from meshforge.train.optim import Optimizers
 from meshforge.train.ps_step import build_parameter_server
@@ -38,7 +38,7 @@ class Engine:
             return ParameterServerEngine.build_ps(cfg, dims, rank, device)
         mesh = build_mesh(dims, device)
         parts = build_model_parts(cfg, dims, mesh, device)
-        optimizers = Optimizers(cfg, parts, mesh["dp"], device)
+        optimizers = Optimizers(cfg, parts, gradient_mesh(mesh, dims), device)
         strategy = make_step(cfg, dims, mesh, parts, optimizers, device)
         return cls(cfg, dims, mesh, parts, optimizers, strategy, rank)
 
@@ -55,7 +55,8 @@ class Engine:
         """sha256 of the full parameters in name order, on global rank 0 ("" elsewhere).
         Collective."""
         coords = self.dims.coords(self.rank)
-        return param_digest(self.parts, holder=coords["dp"] == 0 and coords["tp"] == 0)
+        holder = coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+        return param_digest(self.parts, holder=holder)
 
 
 @dataclass

@@ -51,8 +51,9 @@ class CommMeasure:
 
     # -- which measurement the layout gets -------------------------------------------------
     def no_peers(self) -> bool:
-        """Nothing to communicate: one data-parallel rank and no parameter server."""
-        return self.dims.dp == 1 and not self.dims.parameter_server
+        """Nothing to communicate: one data-parallel rank (and no cp peer) and no
+        parameter server."""
+        return self.dims.dp * self.dims.cp == 1 and not self.dims.parameter_server
 
     def needs_reference(self) -> bool:
         """Whether exposed data-parallel communication is measured against a replica:
@@ -60,6 +61,8 @@ class CommMeasure:
         micro-batch of the step runs without communication (DDP's no_sync ones do;
         FSDP gathers parameters in every one)."""
         if self.no_peers() or self.dims.tp_enabled or self.dims.pp_enabled:
+            return False
+        if self.dims.cp_enabled:  # a replica would attend over whole sequences
             return False
         if not self.engine.reads_data:  # a parameter server: no model to time
             return False
@@ -71,6 +74,8 @@ class CommMeasure:
             return "pipeline: stage waits, point-to-point transfers included, are the bubble" + (
                 "; tensor-parallel collectives profiled" if self.dims.tp_enabled else ""
             )
+        if self.dims.cp_enabled:
+            return "not yet measured under context parallelism"
         if self.dims.tp_enabled:
             return "tensor-parallel collectives profiled in one sampled step"
         if self.no_peers():
@@ -115,6 +120,8 @@ class CommMeasure:
     def exposed_s(self, result: StepResult) -> float | None:
         """Communication time of a logged step not hidden behind compute."""
         micro_s = result.micro_s
+        if self.dims.cp_enabled:  # its all-gathers sit in every micro-batch: not yet
+            return None
         if self.dims.tp_enabled:
             if self.tp_comm_share is None:
                 return 0.0 if self.dims.pp_enabled else None

@@ -13,6 +13,12 @@ norm and timings back; it never asks which ZeRO stage, TP or PP degree it runs.
 
 Both then unscale (fp16), take the global gradient norm over the dp, tp and pp
 groups, clip, and step the optimizers at the step's learning rate.
+
+Under context parallelism (parallel.cp > 1) the cp ranks of a data-parallel rank read
+the same micro-batches; AccumulatingStep keeps this rank's tokens of each and the
+positions and attention mask that go with them (parallel/context_parallel.py
+`ContextSplit`), and the loss is the mean over its tokens (the mean over the dp x cp
+ranks is then world 1's).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from meshforge.layout import ParallelDims
 from meshforge.models.attention import documents_of
 from meshforge.models.moe import set_aux_loss_scale
 from meshforge.observe.memory import SavedActivations
+from meshforge.parallel.context_parallel import ContextSplit
 from meshforge.parallel.parallelize import (
     ModelParts,
     grad_norm_and_clip,
@@ -85,6 +92,8 @@ class StepStrategy:
         # data.document_masking: the token after which a new document starts (None: off)
         d = cfg.data
         self.eot_id = end_of_text_id(d.source, d.cache_dir) if d.document_masking else None
+        # parallel.cp > 1: this rank's share of every sequence (None: whole sequences)
+        self.context = ContextSplit.of(mesh["cp"]) if dims.cp_enabled else None
 
     def _phase(self, name: str) -> None:
         if self.flight is not None:
@@ -117,7 +126,9 @@ class StepStrategy:
         if not self.computes_loss:
             value.zero_()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        holders = self.dims.dp * self.dims.tp  # one copy per tp rank of the last stage
+        # one copy per tp rank of the last stage; the cp ranks each hold the mean of
+        # the same number of tokens
+        holders = self.dims.dp * self.dims.cp * self.dims.tp
         return value / holders
 
     def server_counters(self) -> dict[str, Any] | None:
@@ -150,7 +161,10 @@ class AccumulatingStep(StepStrategy):
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         model = self.parts.callables[0]
         with self.autocast():
-            if self.eot_id is None:
+            if self.context is not None:  # this rank's tokens, positions and mask
+                x, y, docs = self.context.shard(x, y, self.eot_id)
+                logits = model(x, docs=docs)
+            elif self.eot_id is None:
                 logits = model(x)
             else:  # attention kept inside the documents packed into each row of x
                 logits = model(x, docs=documents_of(x, self.eot_id))

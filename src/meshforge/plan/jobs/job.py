@@ -38,7 +38,8 @@ def param_bytes_per_rank(cfg: JobConfig, world_size: int) -> float:
     p = cfg.parallel
     rank_params = params_per_rank(shape_of(cfg), p.tp, p.pp).total
     dp = cfg.resolve_dp(world_size)
-    return model_state_bytes(rank_params, p.zero, dp, cfg.precision.dtype)["params"]
+    # ZeRO shards over the dp x cp ranks (the cp ranks hold the same weights)
+    return model_state_bytes(rank_params, p.zero, dp * p.cp, cfg.precision.dtype)["params"]
 
 
 def predict_for_job(
@@ -62,7 +63,7 @@ def predict_for_job(
     dp = cfg.resolve_dp(world_size)
     p, t = cfg.parallel, cfg.train
     layout = Layout(dp=dp, tp=p.tp, pp=p.pp, zero=p.zero, virtual_stages=p.virtual_stages,
-                    ep=p.ep)  # fmt: skip
+                    ep=p.ep, cp=p.cp, cp_method=p.cp_method)  # fmt: skip
     shape = shape_of(cfg)
     if host is None and profile.name.startswith("cpu"):
         host = HostCosts.from_profile(profile)
@@ -244,11 +245,12 @@ class JobPlan:
         schedule = "interleaved_1f1b" if lay.virtual_stages > 1 else p.pp_schedule
         if lay.pp > 1 and schedule not in _MODELLED_SCHEDULES:
             raise ConfigError(f"the planner does not model parallel.pp_schedule={schedule}")
-        # the trainer has no cp yet: its rules see the dp x cp ranks as data parallel
+        # the planner's cp is not yet the trainer's (which builds allgather only, without
+        # pp or experts): its rules see the dp x cp ranks as data parallel
         parallel = p.model_copy(
             update={"dp": lay.dp * lay.cp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                     "sequence_parallel": lay.sequence_parallel, "pp_schedule": schedule,
-                    "virtual_stages": lay.virtual_stages, "ep": lay.ep}
+                    "virtual_stages": lay.virtual_stages, "ep": lay.ep, "cp": 1}
         )  # fmt: skip
         train = self.cfg.train.model_copy(update={"micro_batch": micro_batch})
         cfg = self.cfg.model_copy(update={"parallel": parallel, "train": train})
@@ -335,8 +337,13 @@ def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPla
     _collective_only(cfg)
     if flags.cp not in (None, 1) or flags.cp_method is not None:
         raise ConfigError(
-            "--cp/--cp-method with --config: meshforge's trainer has no context parallelism "
-            "(parallel.cp) yet; plan cp from flags (--model or --layers ...)"
+            "--cp/--cp-method with --config: plan --config does not yet plan context "
+            "parallelism (parallel.cp); plan cp from flags (--model or --layers ...)"
+        )
+    if cfg.parallel != "auto" and cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp}: plan --config does not yet plan context "
+            "parallelism; plan cp from flags (--model or --layers ... --cp)"
         )
     shape = shape_of(cfg)
     choice = job_choice(cfg)

@@ -1,0 +1,286 @@
+"""Context parallelism (`parallel.cp`): each of the cp ranks of a sequence holds 1/cp
+of its tokens, and attention sees the keys and values of the whole sequence. The
+models (models/gpt.py, models/llama.py) never see it.
+
+Head-tail split. Causal attention costs a token in proportion to its position, so
+a contiguous split would give the last rank most of the work. The sequence is cut
+into 2 x cp chunks of S / (2 cp) tokens and cp rank r keeps chunks r and 2cp-1-r
+(Megatron-LM's and Llama 3's balanced split): every rank then holds the same share
+of the causal work.
+
+    S = 8, cp = 2:   chunks  [0 1] [2 3] [4 5] [6 7]
+                     rank 0   x                 x       positions 0 1 6 7
+                     rank 1         x     x             positions 2 3 4 5
+
+The split (`ContextSplit.shard`, called by the step with the full micro-batch every
+cp rank of a data-parallel rank reads): this rank's tokens of x and y, and the
+`Documents` the model takes -- the positions of its tokens in the whole sequence (or,
+with data.document_masking, inside their documents: document ids are found on the
+full sequence first), and a mask of its queries against every key (causal by global
+position, within the same document). Learned position embeddings and rotary angles
+are those of world 1; the loss over this rank's tokens is the mean of S/cp of them,
+and the mean over the cp ranks (all holding S/cp) is world 1's mean over all S.
+
+Attention, `parallel.cp_method: allgather` (Llama 3's method, `AllGatherAttend`): K
+and V are all-gathered over the cp group with autograd (torch's functional
+`all_gather_single_autograd`, whose backward is a reduce-scatter with sum: each rank
+gets the gradients every rank's queries sent to its keys and values), in one
+collective per layer; then this rank's queries attend all S keys:
+- plain causal attention (no document masking), on CPU: block by block
+  (`_CausalBlocks`): the keys put in sequence order, chunk i's queries attend chunks
+  0..i-1 in full and chunk i causally, each block one flash-attention call, merged
+  by their log-sum-exps; backward runs each block's flash backward. No S/cp x S mask
+  exists, so a rank saves for backward its S/cp share of every activation plus the
+  whole sequence's K and V (0.58x world 1's at seq 1024 for the tests' tiny GPT);
+- with document masking (and elsewhere than on CPU, or with attention dropout):
+  SDPA under the mask (b or 1, 1, S/cp, S) of the local queries against the keys in
+  the order they were gathered (rank 0's two chunks, then rank 1's, ...;
+  `key_positions`), causal by global position and within the same document.
+`ring` (CUDA only) and `alltoall` (Ulysses) are refused by the layout rules.
+
+Gradients. Every cp rank computes the gradient of its own loss, plus (through the
+reduce-scatter) what the other ranks' losses owe its keys and values; summed over
+the cp ranks that is cp times the gradient of their mean loss, so averaging over
+the dp x cp ranks ("dp_cp", parallel/mesh.py) gives world 1's gradient. The data-
+parallel wrappers (DDP, FSDP2, replicate) run over "dp_cp" for that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshforge.models.attention import Documents, attend, document_ids, repeat_kv
+
+try:  # the name of newer torch (the older one warns there that it is deprecated)
+    from torch.distributed._functional_collectives import (
+        all_gather_single_autograd as all_gather_autograd,
+    )
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor_autograd as all_gather_autograd,
+    )
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions in the whole sequence (int64, S/cp) of the tokens cp rank `rank`
+    keeps: chunks `rank` and `2cp-1-rank` of 2cp, in that order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c)
+    tail = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat((head, tail))
+
+
+def key_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The positions in the whole sequence (int64, S) of the keys an all-gather over the
+    cp ranks returns: rank 0's tokens, then rank 1's, ..."""
+    return torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
+
+
+@dataclass(frozen=True)
+class ContextDocuments(Documents):
+    """The `Documents` of this rank's tokens under context parallelism (`positions`
+    (b, S/cp)). `mask` (b, 1, S/cp, S) with data.document_masking; None for plain
+    causal attention, which `AllGatherAttend` then runs block by block without one."""
+
+    rank: int = 0
+    size: int = 1
+
+
+class ContextSplit:
+    """This rank's share of each micro-batch under context parallelism (module
+    docstring): `shard` keeps its tokens and builds the `Documents` its attention
+    needs."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    @classmethod
+    def of(cls, cp_mesh: DeviceMesh) -> ContextSplit:
+        return cls(cp_mesh.get_local_rank(), cp_mesh.size())
+
+    def shard(
+        self, x: torch.Tensor, y: torch.Tensor, eot_id: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, ContextDocuments]:
+        """This rank's tokens of the full micro-batch x, y (b, S): (x, y) of shape
+        (b, S/cp) and their ContextDocuments. `eot_id`: data.document_masking's
+        separator (None: one causal sequence a row, and no mask)."""
+        b, s = x.shape
+        mine, keys = _positions(s, self.size, self.rank, x.device)
+        if eot_id is None:
+            positions = mine.expand(b, -1)
+            ids, mask = torch.zeros_like(positions), None
+        else:
+            doc_ids, doc_positions = document_ids(x, eot_id)  # on the whole sequence
+            ids, positions = doc_ids[:, mine], doc_positions[:, mine]
+            causal = keys[None, :] <= mine[:, None]  # (S/cp, S)
+            same = ids[:, :, None] == doc_ids[:, keys][:, None, :]
+            mask = (same & causal).unsqueeze(1)
+        docs = ContextDocuments(ids, positions, mask, rank=self.rank, size=self.size)  # type: ignore[arg-type]
+        return x[:, mine], y[:, mine], docs
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(
+    seq_len: int, cp: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's positions (S/cp), the gathered keys' positions (S)) on `device`."""
+    return (
+        chunk_positions(seq_len, cp, rank).to(device),
+        key_positions(seq_len, cp).to(device),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """The gathered keys' indices in sequence order: gathered[order] is sequence order."""
+    return torch.argsort(key_positions(seq_len, cp)).to(device)
+
+
+class AllGatherAttend:
+    """`parallel.cp_method: allgather`: an attention module's attend (models/attention.py)
+    that all-gathers K and V over the cp group, then attends this rank's queries against
+    all keys (module docstring): with documents under their mask; plain causal
+    attention block by block (`_CausalBlocks`, on CPU) or under a causal mask."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        docs: Documents | None = None,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
+        if not isinstance(docs, ContextDocuments):
+            raise RuntimeError(
+                "context-parallel attention needs the ContextDocuments of "
+                "ContextSplit.shard (the queries' positions, their mask)"
+            )
+        # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
+        # the sequence (dim 0, so the ranks' blocks simply follow each other); under
+        # grouped-query attention their fewer heads travel, repeated after the gather
+        kv = torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
+        full = self.gather(kv)
+        seq_len, cp, rank = full.shape[0], docs.size, docs.rank
+        mask = docs.mask
+        if mask is None and dropout_p == 0.0 and _CausalBlocks.runs_on(q):
+            order = _sequence_order(seq_len, cp, full.device)
+            k_seq, v_seq = full.index_select(0, order).permute(1, 2, 3, 0, 4).unbind(0)
+            return _CausalBlocks.apply(q, k_seq, v_seq, rank, cp)
+        if mask is None:  # plain causal, by global position
+            mine, keys = _positions(seq_len, cp, rank, full.device)
+            mask = (keys[None, :] <= mine[:, None])[None, None]
+        k_all, v_all = (repeat_kv(q, t) for t in full.permute(1, 2, 3, 0, 4).unbind(0))
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` of every cp rank, concatenated along dim 0 in rank order; its backward
+        sums each rank's gradients of this rank's block (a reduce-scatter)."""
+        return all_gather_autograd(t, 0, self.group)
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of this cp rank's two chunks (head i = rank, tail j = 2cp-1-rank)
+    against the keys of the whole sequence, in sequence order, without an S/cp x S mask:
+    chunk i attends chunks 0..i-1 in full and chunk i causally (a square block, where
+    SDPA's causal mask is the right one). Each block is one flash-attention call
+    returning its output and log-sum-exp; the blocks merge by their log-sum-exps, and
+    backward runs each block's flash backward with the merged output and log-sum-exp
+    (the blockwise attention of ring attention). Memory: q, the whole K and V (with
+    their own heads: grouped-query heads are repeated in forward and again in
+    backward, not kept), the output and the log-sum-exp.
+    CPU only here (aten's flash kernel for CPU); elsewhere attention takes the mask."""
+
+    @staticmethod
+    def runs_on(q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+    @staticmethod
+    def blocks(rank: int, cp: int, c: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+        """(the chunk's rows of q, [(keys, causal), ...]) for the head and tail chunks."""
+        out = []
+        for n, i in enumerate((rank, 2 * cp - 1 - rank)):
+            keys = [(slice(0, i * c), False)] if i > 0 else []
+            keys.append((slice(i * c, (i + 1) * c), True))
+            out.append((slice(n * c, (n + 1) * c), keys))
+        return out
+
+    @staticmethod
+    def forward(ctx, q, k, v, rank: int, cp: int):  # type: ignore[override]
+        c = q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
+        outs, lses = [], []
+        for rows, keys in _CausalBlocks.blocks(rank, cp, c):
+            qc, out, lse = q[:, :, rows], None, None
+            for ks, causal in keys:
+                block, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    qc, kr[:, :, ks], vr[:, :, ks], 0.0, causal, scale=scale
+                )
+                block, block_lse = block.float(), block_lse.float()
+                if out is None:
+                    out, lse = block, block_lse
+                else:  # merge by log-sum-exp
+                    new = torch.logaddexp(lse, block_lse)
+                    out = (out * (lse - new).exp()[..., None]
+                           + block * (block_lse - new).exp()[..., None])  # fmt: skip
+                    lse = new
+            outs.append(out)
+            lses.append(lse)
+        out = torch.cat(outs, dim=2).to(q.dtype)
+        lse = torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rank, ctx.cp, ctx.scale = rank, cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
+        for rows, keys in _CausalBlocks.blocks(ctx.rank, ctx.cp, q.shape[2] // 2):
+            g, qc, oc, lc = grad[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
+            for ks, causal in keys:
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g, qc, kr[:, :, ks], vr[:, :, ks], oc, lc, 0.0, causal, scale=ctx.scale
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, ks] += gk
+                dv[:, :, ks] += gv
+        if dk.shape[1] != k.shape[1]:  # each key/value head served a group of query heads
+            b, _, s, d = k.shape
+            dk = dk.view(b, k.shape[1], -1, s, d).sum(2)
+            dv = dv.view(b, v.shape[1], -1, s, d).sum(2)
+        return dq, dk, dv, None, None
+
+
+def attention_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module` that compute attention through models.attention.attend
+    (the models' `attend` attribute)."""
+    return [m for m in module.modules() if getattr(m, "attend", None) is attend]
+
+
+def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
+    """Give every attention module of `module` the context-parallel attend of `method`
+    over `cp_mesh` (in place; nothing is communicated)."""
+    if method != "allgather":  # the layout rules refuse the others first
+        raise ValueError(f"parallel.cp_method={method} is not built")
+    layers = attention_modules(module)
+    if not layers:
+        raise ValueError("context parallelism found no attention module using models.attention")
+    attend_all = AllGatherAttend(cp_mesh.get_group())
+    for m in layers:
+        m.attend = attend_all
