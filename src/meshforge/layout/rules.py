@@ -434,11 +434,6 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             f"{n.show('cp', cp)} with {n.show('mode', 'parameter_server')} is not supported "
             "(a parameter server's workers train whole sequences)"
         )
-    if req.pp > 1:
-        out.append(
-            f"{n.show('cp', cp)} is not yet supported under a pipeline ({n.show('pp', req.pp)}): "
-            "its stages pass hidden states only"
-        )
     if shape.experts:
         out.append(
             f"{n.show('cp', cp)} with a mixture-of-experts model is not yet supported "

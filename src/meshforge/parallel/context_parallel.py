@@ -128,6 +128,28 @@ class ContextSplit:
         docs = ContextDocuments(ids, positions, mask, rank=self.rank, size=self.size)  # type: ignore[arg-type]
         return x[:, mine], y[:, mine], docs
 
+    def causal_documents(self, rows: int, local_len: int, device: torch.device) -> ContextDocuments:
+        """The ContextDocuments of `rows` rows of this rank's `local_len` tokens of one
+        causal sequence each (no document masking): what a pipeline stage, handed hidden
+        states only, gives its attention."""
+        mine, _ = _positions(local_len * self.size, self.size, self.rank, device)
+        positions = mine.expand(rows, -1)
+        return ContextDocuments(torch.zeros_like(positions), positions, None,  # type: ignore[arg-type]
+                                rank=self.rank, size=self.size)  # fmt: skip
+
+
+class ContextStage(nn.Module):
+    """A pipeline stage's module under context parallelism: the schedule hands it this
+    rank's tokens (or hidden states) alone, and it passes its model part the
+    ContextDocuments of their positions in the whole sequence."""
+
+    def __init__(self, part: nn.Module, split: ContextSplit) -> None:
+        super().__init__()
+        self.part, self.split = part, split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.part(x, docs=self.split.causal_documents(x.shape[0], x.shape[1], x.device))
+
 
 @functools.lru_cache(maxsize=64)
 def _positions(

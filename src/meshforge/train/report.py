@@ -226,6 +226,8 @@ def build_report(
         "data_wait_fraction": figures["data_wait_fraction"],
         "model_state_bytes": [r["state"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
+        # what one micro-batch's forward saved for backward on rank 0, the last segment's
+        "activation_bytes": _activation_bytes(history["rows"]),
         "memory_health": {
             "advice": summary.memory_advice,
             "cuda": [r.get("cuda_memory") for r in per_rank] if summary.is_cuda else None,
@@ -269,6 +271,15 @@ def build_report(
         report["status"] = "stopped"
         report["stopped"] = summary.stopped
     return redact_tree(report)  # no credential of a URL in report.json (meshforge.redact)
+
+
+def _activation_bytes(rows: list[dict[str, Any]]) -> int | None:
+    """The activation bytes the last segment measured (its first logged step's), or
+    None when it logged none (an older run, a parameter server's)."""
+    last = rows[-1].get("segment") if rows else None
+    measured = [r["activation_bytes"] for r in rows
+                if r.get("activation_bytes") and r.get("segment") == last]  # fmt: skip
+    return int(measured[-1]) if measured else None
 
 
 def communication(

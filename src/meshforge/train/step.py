@@ -40,7 +40,7 @@ from meshforge.layout import ParallelDims
 from meshforge.models.attention import documents_of
 from meshforge.models.moe import set_aux_loss_scale
 from meshforge.observe.memory import SavedActivations
-from meshforge.parallel.context_parallel import ContextSplit
+from meshforge.parallel.context_parallel import ContextSplit, ContextStage
 from meshforge.parallel.parallelize import (
     ModelParts,
     grad_norm_and_clip,
@@ -215,8 +215,11 @@ class PipelinedStep(StepStrategy):
         self.holds_last = d.n_stages - 1 in self.stage_ids
         self.holds_first = 0 in self.stage_ids
 
+        parts = self.parts.callables
+        if self.context is not None:  # the stages take this rank's tokens, hidden states
+            parts = [ContextStage(part, self.context) for part in parts]
         self.pipeline = Pipeline(
-            self.parts.callables,
+            parts,
             self.stage_ids,
             d.n_stages,
             self.mesh["pp"].get_group(),
@@ -234,6 +237,8 @@ class PipelinedStep(StepStrategy):
     def forward_backward(self, micro_batches: Batch, measure: bool) -> StepResult:
         x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
+        if self.context is not None:  # this rank's tokens (its stages know their positions)
+            x, y, _ = self.context.shard(x, y)
         with self.autocast():  # the pipeline enters loss_parallel itself
             loss_sum = self.pipeline.step(x, y)
         self.parts.reduce_gradients()  # expert weights' (the wrappers reduce the rest)
@@ -249,8 +254,11 @@ class PipelinedStep(StepStrategy):
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss of a pipeline step's worth of rows (m micro-batches)."""
+        x, y = x.to(self.device), y.to(self.device)
+        if self.context is not None:
+            x, y, _ = self.context.shard(x, y)
         with self.autocast():
-            loss_sum = self.pipeline.evaluate(x.to(self.device), y.to(self.device))
+            loss_sum = self.pipeline.evaluate(x, y)
         if loss_sum is None:
             return torch.zeros((), device=self.device)
         return _plain(loss_sum) / self.dims.microbatches
