@@ -316,7 +316,9 @@ class ParallelConfig(_Section):
     # head and tail, so causal work is balanced); a mesh dimension of its own
     cp: int = Field(1, ge=1)
     # how attention sees the other cp ranks' keys and values: allgather (all-gather K
-    # and V, Llama 3's); ring and alltoall (Ulysses) are refused, not yet built
+    # and V, Llama 3's) or alltoall (DeepSpeed Ulysses: an all-to-all trades heads for
+    # sequence, so cp must divide model.n_heads / parallel.tp); ring is refused, not
+    # yet built (CUDA only)
     cp_method: Literal["allgather", "ring", "alltoall"] = "allgather"
     # Under pp > 1 the pipeline's micro-batches are the gradient-accumulation
     # micro-batches: global_batch / (dp x micro_batch) of them, micro_batch each.

@@ -1,5 +1,6 @@
 """Context parallelism (parallel.cp) trains the same model as world 1, step by step,
-under every layout it composes with, with and without document masking; it holds
+under every layout it composes with, with and without document masking (cp_method
+allgather everywhere, alltoall over a few of the layouts); it holds
 fewer activations per rank; what it cannot run is refused in one line. The engine is
 run in-process on the shared gloo pool (tests/layouts.py). Sequence 256 (and 1024 for
 memory), as the issue asks; the whole file takes about 5 minutes on two cores."""
@@ -161,6 +162,31 @@ def test_document_masking_under_cp_matches_world_1(gloo, short_docs, model, layo
     _assert_matches(results, ref, f"{model} masked {name}")
 
 
+# -- alltoall (Ulysses) ----------------------------------------------------------------------
+
+ALLTOALL_LAYOUTS = [  # (name, model, world, parallel, document masking)
+    ("cp2-gpt", "gpt", 2, {"cp": 2}, False),
+    ("cp2-llama", "llama", 2, {"cp": 2}, False),  # its 2 kv heads travel unrepeated
+    ("dp2xcp2-llama", "llama", 4, {"cp": 2}, False),
+    ("tp2xcp2-gpt", "gpt", 4, {"cp": 2, "tp": 2}, False),  # one head per cp rank
+    ("cp2-documents-llama", "llama", 2, {"cp": 2}, True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ALLTOALL_LAYOUTS, ids=[entry[0] for entry in ALLTOALL_LAYOUTS])
+def test_alltoall_matches_world_1_step_by_step(gloo, request, layout):
+    """parallel.cp_method=alltoall over a few of the layouts above (the allgather tests
+    cover the rest: the split, the loss and the gradient reduction are the same)."""
+    name, model, world, parallel, masking = layout
+    source = request.getfixturevalue("short_docs") if masking else None
+    ref = _reference(gloo, model, source)
+    results = gloo.run(world, train_cp, _job(model, {**parallel, "cp_method": "alltoall"}, source),
+                       STEPS)  # fmt: skip
+    assert results[0]["layout"]["cp_method"] == "alltoall"
+    _assert_matches(results, ref, f"{model} alltoall {name}")
+
+
 # -- memory ------------------------------------------------------------------------------------
 
 
@@ -221,13 +247,18 @@ def _refused(tmp_path: Path, parallel: dict[str, Any], nproc: int, **model: Any)
     ("parallel", "nproc", "model", "words"),
     [
         ({"cp": 2, "cp_method": "ring"}, 2, {}, ["parallel.cp_method=ring", "CUDA"]),
-        ({"cp": 2, "cp_method": "alltoall"}, 2, {}, ["parallel.cp_method=alltoall", "not yet"]),
+        (
+            {"cp": 4, "cp_method": "alltoall"},
+            4,
+            {},
+            ["parallel.cp_method=alltoall", "model.n_heads=2", "parallel.cp=4"],
+        ),
         ({"cp": 3}, 3, {}, ["parallel.cp=3", "model.seq_len=32", "2 x cp = 6"]),
         ({"cp": 2}, 3, {}, ["world size 3", "parallel.cp=2"]),
         ({"cp": 0}, 1, {}, ["parallel.cp"]),
         ({"cp": 2, "pp": 2}, 4, {"tie_embeddings": False}, ["parallel.cp=2", "pipeline"]),
     ],
-    ids=["ring-on-cpu", "alltoall", "seq-len", "world", "zero-degree", "pipeline"],
+    ids=["ring-on-cpu", "alltoall-heads", "seq-len", "world", "zero-degree", "pipeline"],
 )
 def test_what_cp_cannot_run_is_refused_in_one_line(tmp_path, parallel, nproc, model, words):
     assert_one_line_error(_refused(tmp_path, parallel, nproc, **model), *words)

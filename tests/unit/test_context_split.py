@@ -1,7 +1,9 @@
 """Context parallelism's split (parallel/context_parallel.py) and its layout rules: each
 cp rank keeps a chunk from each end of every sequence, and its queries against the
-gathered keys, under its mask, give exactly world 1's attention at its positions.
-The collectives themselves run in tests/integration/test_context_parallel.py."""
+gathered keys, under its mask, give exactly world 1's attention at its positions; so
+does alltoall (Ulysses), each rank's heads over the whole sequence. The cp ranks run
+as threads here; the collectives themselves run in
+tests/integration/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -113,6 +115,13 @@ def test_the_model_keeps_its_attend_until_context_parallelism_swaps_it():
     apply_context_parallel(model, FakeMesh(), "allgather")  # type: ignore[arg-type]
     assert all(m.attend.group == "cp-group" for m in layers)
     assert attention_modules(model) == []  # swapped
+    ulysses = GPT(GPTArgs(vocab_size=32, d_model=16, n_layers=2, n_heads=2, seq_len=8))
+    apply_context_parallel(ulysses, FakeMesh(), "alltoall")  # type: ignore[arg-type]
+    assert {type(m.attend).__name__ for m in ulysses.modules() if hasattr(m, "attend")} == {
+        "AllToAllAttend"
+    }
+    with pytest.raises(ValueError, match="cp_method=ring is not built"):
+        apply_context_parallel(ulysses, FakeMesh(), "ring")  # type: ignore[arg-type]
     fresh = GPT(GPTArgs(vocab_size=32, d_model=16, n_layers=2, n_heads=2, seq_len=8))
     assert len(attention_modules(fresh)) == 2  # an instance's attend, not the class's
 
@@ -141,7 +150,19 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
     [
         (LayoutRequest(cp=3), SHAPE, ["parallel.cp=3 needs model.seq_len=32", "2 x cp = 6"]),
         (LayoutRequest(cp=2, cp_method="ring"), SHAPE, ["parallel.cp_method=ring", "CUDA"]),
-        (LayoutRequest(cp=2, cp_method="alltoall"), SHAPE, ["cp_method=alltoall", "not yet"]),
+        (
+            LayoutRequest(cp=4, tp=2, cp_method="alltoall"),
+            SHAPE,
+            [
+                "parallel.cp_method=alltoall needs model.n_heads=4 / parallel.tp=2 divisible by "
+                "parallel.cp=4"
+            ],
+        ),  # fmt: skip
+        (
+            LayoutRequest(cp=4, cp_method="alltoall"),
+            ModelShape(**{**SHAPE.__dict__, "n_heads": 2, "kv_heads": 1}),
+            ["parallel.cp_method=alltoall needs model.n_heads=2 divisible by parallel.cp=4"],
+        ),
         (LayoutRequest(cp=2, pp=2), SHAPE, ["parallel.cp=2 is not yet supported", "pp=2"]),
         (LayoutRequest(cp=2, servers=1), SHAPE, ["parallel.cp=2 with parallel.mode"]),
         (LayoutRequest(cp=2, compile=True), SHAPE, ["train.compile=true", "parallel.cp=2"]),
@@ -152,11 +173,35 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
         ),
         (LayoutRequest(cp=2), ModelShape(factory="m:f"), ["parallel.cp=2 needs meshforge's"]),
     ],
-    ids=["seq-len", "ring", "alltoall", "pp", "parameter-server", "compile", "moe", "factory"],
+    ids=[
+        "seq-len",
+        "ring",
+        "alltoall-tp-heads",
+        "alltoall-heads",
+        "pp",
+        "parameter-server",
+        "compile",
+        "moe",
+        "factory",
+    ],
 )
 def test_what_cp_cannot_run_is_refused_naming_the_fields(req, shape, words):
     problems = check(req, shape, JOB_NAMES)
     assert any(all(w in p for w in words) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("req", "kv_heads"),
+    [
+        (LayoutRequest(cp=2, cp_method="alltoall"), 4),
+        (LayoutRequest(cp=4, cp_method="alltoall"), 1),  # kv heads repeated before the exchange
+        (LayoutRequest(cp=2, tp=2, cp_method="alltoall"), 2),
+    ],
+    ids=["cp2", "cp4-gqa1", "tp2xcp2"],
+)
+def test_alltoall_runs_where_cp_divides_a_tensor_parallel_ranks_heads(req, kv_heads):
+    shape = ModelShape(**{**SHAPE.__dict__, "kv_heads": kv_heads})
+    assert check(req, shape, JOB_NAMES) == []
 
 
 def test_the_job_file_carries_cp_and_its_method():
@@ -169,6 +214,8 @@ def test_the_job_file_carries_cp_and_its_method():
     assert (cfg.parallel.cp, cfg.parallel.cp_method) == (2, "allgather")
     dims = cfg.dims(4)
     assert (dims.dp, dims.cp) == (2, 2)
+    ulysses = build_config({**raw, "parallel": {"cp": 2, "cp_method": "alltoall"}}).dims(2)
+    assert ulysses.as_dict()["cp_method"] == "alltoall"
     with pytest.raises(ConfigError, match="parallel.cp_method=ring runs on CUDA"):
         build_config({**raw, "parallel": {"cp": 2, "cp_method": "ring"}}).dims(2)
 
@@ -207,14 +254,112 @@ class _ThreadGather(torch.autograd.Function):
         return torch.stack(mine).sum(0), None, None
 
 
-def _threaded_attend(group: _ThreadGroup, rank: int):
-    from meshforge.parallel.context_parallel import AllGatherAttend
+class _ThreadAllToAll(torch.autograd.Function):
+    """All-to-all of (cp, ...) blocks: block j to rank j; backward, the reverse."""
 
-    class ThreadAttend(AllGatherAttend):
+    @staticmethod
+    def forward(ctx, t, group, rank):
+        ctx.group, ctx.rank = group, rank
+        return torch.stack([b[rank] for b in group.exchange(rank, t.detach().clone())])
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks = ctx.group.exchange(ctx.rank, grad.detach().clone())
+        return torch.stack([b[ctx.rank] for b in blocks]), None, None
+
+
+def _threaded_attend(group: _ThreadGroup, rank: int, method: str = "allgather"):
+    from meshforge.parallel.context_parallel import AllGatherAttend, AllToAllAttend
+
+    class ThreadGatherAttend(AllGatherAttend):
         def gather(self, t):
             return _ThreadGather.apply(t, group, rank)
 
-    return ThreadAttend(group=None)  # type: ignore[arg-type]
+    class ThreadAllToAllAttend(AllToAllAttend):
+        def exchange(self, t):
+            assert t.shape[0] == group.size
+            return _ThreadAllToAll.apply(t, group, rank)
+
+    cls = {"allgather": ThreadGatherAttend, "alltoall": ThreadAllToAllAttend}[method]
+    return cls(group=None)  # type: ignore[arg-type]
+
+
+def _run_threads(cp: int, rank_main) -> None:
+    """rank_main(rank, group) on cp threads; the first error of any is raised."""
+    import threading
+
+    group = _ThreadGroup(cp)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            rank_main(rank, group)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa1"])
+@pytest.mark.parametrize("masking", [False, True], ids=["causal", "documents"])
+def test_alltoall_attention_on_cp_threads_equals_world_1_attention(cp, kv_heads, masking):
+    """Ulysses: each rank's h/cp heads over the whole sequence, exchanged and back, give
+    world 1's attention at its tokens, and (summed over the ranks) its gradients;
+    grouped-query heads travel unrepeated where cp divides them (gqa2 under cp 2),
+    repeated first where not (gqa2 under cp 4, gqa1)."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 4, 16, 8
+    x = _tokens(b, s, seed=1)
+    y = torch.roll(x, -1, dims=1)
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, requires_grad=True) for _ in range(2))
+    group_size = h // kv_heads
+    k_rep, v_rep = (t.repeat_interleave(group_size, dim=1) for t in (k, v))
+    if masking:
+        ref = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=documents_of(x, EOT).mask)
+    else:
+        ref = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    outs: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        _, _, docs = ContextSplit(rank, cp).shard(x, y, EOT if masking else None)
+        mine = chunk_positions(s, cp, rank)
+        attend = _threaded_attend(group, rank, "alltoall")
+        out = attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], docs)
+        outs[rank] = out.detach()
+        grads[rank] = torch.autograd.grad((out * w[:, :, mine]).sum(), (q, k, v))
+
+    _run_threads(cp, rank_main)
+    for rank in range(cp):
+        mine = chunk_positions(s, cp, rank)
+        torch.testing.assert_close(outs[rank], ref[:, :, mine], rtol=1e-5, atol=1e-6)
+    for i, ref_g in enumerate(ref_grads):
+        total = sum(grads[rank][i] for rank in range(cp))
+        torch.testing.assert_close(total, ref_g, rtol=1e-4, atol=1e-5)
+
+
+def test_alltoall_refuses_heads_the_cp_ranks_cannot_split():
+    from meshforge.models.attention import Documents
+    from meshforge.parallel.context_parallel import AllToAllAttend
+
+    attend = AllToAllAttend(group=None)  # type: ignore[arg-type]
+    x = _tokens(1, 8, seed=0)
+    _, _, docs = ContextSplit(0, 4).shard(x, x)
+    q = torch.randn(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="2 heads on this rank, not divisible by cp 4"):
+        attend(q, q, q, docs)
+    with pytest.raises(RuntimeError, match="ContextDocuments"):
+        attend(q, q, q, Documents(x, x, None))  # type: ignore[arg-type]
 
 
 def _models():
@@ -228,11 +373,10 @@ def _models():
     return {"gpt": lambda: GPT(gpt), "llama": lambda: Llama(llama)}
 
 
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 @pytest.mark.parametrize("masking", [False, True], ids=["causal", "documents"])
-def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking):
-    import threading
-
+def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking, method):
     from meshforge.train.step import cross_entropy
 
     cp, s = 2, 16
@@ -246,30 +390,19 @@ def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking):
     ref_loss = cross_entropy(ref_model(x, docs=docs), y)
     ref_loss.backward()
 
-    group = _ThreadGroup(cp)
     results: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
-        try:
-            torch.manual_seed(0)
-            m = build()
-            for layer in attention_modules(m):
-                layer.attend = _threaded_attend(group, rank)
-            xs, ys, d = ContextSplit(rank, cp).shard(x, y, eot)
-            loss = cross_entropy(m(xs, docs=d), ys)
-            loss.backward()
-            results[rank] = (loss.item(), {n: p.grad for n, p in m.named_parameters()})
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-            group.barrier.abort()
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        torch.manual_seed(0)
+        m = build()
+        for layer in attention_modules(m):
+            layer.attend = _threaded_attend(group, rank, method)
+        xs, ys, d = ContextSplit(rank, cp).shard(x, y, eot)
+        loss = cross_entropy(m(xs, docs=d), ys)
+        loss.backward()
+        results[rank] = (loss.item(), {n: p.grad for n, p in m.named_parameters()})
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _run_threads(cp, rank_main)
     # the mean of the ranks' losses is world 1's; so is the mean of their gradients
     mean_loss = sum(results[r][0] for r in range(cp)) / cp
     assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5)

@@ -392,8 +392,10 @@ def _expert_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
 
 def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
     """Context parallelism: every sequence cut into 2 x cp chunks (two per rank, head
-    and tail, for balanced causal work), attention by all-gathering keys and values,
-    on meshforge's models, beside the layouts it is known to compose with."""
+    and tail, for balanced causal work), attention by all-gathering keys and values
+    (allgather) or by trading heads for sequence (alltoall, which needs cp to divide
+    the heads of a tensor-parallel rank), on meshforge's models, beside the layouts it
+    is known to compose with."""
     cp, out = req.cp, []
     if cp == 1:  # no attention method applies
         return out
@@ -402,12 +404,7 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             f"{n.show('cp_method', 'ring')} runs on CUDA devices only and is not yet built "
             f"here; use {n.show('cp_method', 'allgather')}"
         )
-    elif req.cp_method == "alltoall":
-        out.append(
-            f"{n.show('cp_method', 'alltoall')} (Ulysses) is not yet supported; use "
-            f"{n.show('cp_method', 'allgather')}"
-        )
-    elif req.cp_method != "allgather":
+    elif req.cp_method not in ("allgather", "alltoall"):
         out.append(
             f"{n.name('cp_method')} must be one of allgather, ring, alltoall, got {req.cp_method!r}"
         )
@@ -418,6 +415,15 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             "ranks' keys and values)"
         )
         return out
+    heads = shape.n_heads // req.tp  # a tensor-parallel rank's (tp dividing them: _split_rules)
+    if req.cp_method == "alltoall" and shape.n_heads % req.tp == 0 and heads % cp:
+        # Ulysses hands each cp rank whole heads of its tensor-parallel rank's; key/value
+        # heads too few to split are repeated first, so they need not divide
+        per_tp = f" / {n.show('tp', req.tp)}" if req.tp > 1 else ""
+        out.append(
+            f"{n.show('cp_method', 'alltoall')} needs {n.show('n_heads', shape.n_heads)}"
+            f"{per_tp} divisible by {n.show('cp', cp)} (each cp rank attends whole heads)"
+        )
     if shape.seq_len % (2 * cp):
         out.append(
             f"{n.show('cp', cp)} needs {n.show('seq_len', shape.seq_len)} divisible by "

@@ -36,7 +36,24 @@ collective per layer; then this rank's queries attend all S keys:
   SDPA under the mask (b or 1, 1, S/cp, S) of the local queries against the keys in
   the order they were gathered (rank 0's two chunks, then rank 1's, ...;
   `key_positions`), causal by global position and within the same document.
-`ring` (CUDA only) and `alltoall` (Ulysses) are refused by the layout rules.
+
+Attention, `parallel.cp_method: alltoall` (DeepSpeed Ulysses, `AllToAllAttend`): one
+all-to-all over the cp group (torch's functional `all_to_all_single_autograd`, whose
+backward is the reverse all-to-all) trades heads for sequence: each rank sends head
+group j of its S/cp tokens' q, k and v to cp rank j and gets back its own h/cp heads
+over the whole sequence, in the order gathered (rank 0's two chunks, rank 1's, ...).
+Put in sequence order, those heads attend as at world 1: SDPA with `is_causal=True`,
+or with document masking under the whole sequence's mask (b, 1, S, S), same document
+and causal (`ContextDocuments.sequence_mask`, from the whole sequence's document ids
+that `ContextSplit.shard` keeps). The output goes back to gathered order and through
+the reverse all-to-all to this rank's tokens with all h heads. Grouped-query
+attention: where the cp ranks divide the key/value heads, the fewer heads travel
+(query head group j needs exactly key/value head group j) and are repeated after;
+else they are repeated first. A rank holds whole heads, so the layout rules ask cp to
+divide the heads of a tensor-parallel rank (model.n_heads / parallel.tp). Each layer
+moves q, k, v and the output once, forward and backward, whatever cp; a rank saves
+its heads' share of the whole sequence's attention inputs.
+`ring` (CUDA only) is refused by the layout rules.
 
 Gradients. Every cp rank computes the gradient of its own loss, plus (through the
 reduce-scatter) what the other ranks' losses owe its keys and values; summed over
@@ -67,6 +84,7 @@ except ImportError:  # pragma: no cover - older torch
     from torch.distributed._functional_collectives import (
         all_gather_tensor_autograd as all_gather_autograd,
     )
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -90,10 +108,25 @@ def key_positions(seq_len: int, cp: int) -> torch.Tensor:
 class ContextDocuments(Documents):
     """The `Documents` of this rank's tokens under context parallelism (`positions`
     (b, S/cp)). `mask` (b, 1, S/cp, S) with data.document_masking; None for plain
-    causal attention, which `AllGatherAttend` then runs block by block without one."""
+    causal attention, which `AllGatherAttend` then runs block by block without one.
+    `sequence_ids` (b, S): the document ids of the whole sequence, in sequence order
+    (None without document masking), for `AllToAllAttend`'s `sequence_mask`."""
 
     rank: int = 0
     size: int = 1
+    sequence_ids: torch.Tensor | None = None
+
+    @functools.cached_property
+    def sequence_mask(self) -> torch.Tensor | None:
+        """(b, 1, S, S): every query of the whole sequence against every key, in sequence
+        order, causal and within the same document (None without document masking).
+        Built on first use and shared by the layers."""
+        if self.sequence_ids is None:
+            return None
+        ids = self.sequence_ids
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        return ((ids[:, :, None] == ids[:, None, :]) & causal).unsqueeze(1)
 
 
 class ContextSplit:
@@ -116,6 +149,7 @@ class ContextSplit:
         separator (None: one causal sequence a row, and no mask)."""
         b, s = x.shape
         mine, keys = _positions(s, self.size, self.rank, x.device)
+        doc_ids = None
         if eot_id is None:
             positions = mine.expand(b, -1)
             ids, mask = torch.zeros_like(positions), None
@@ -125,7 +159,14 @@ class ContextSplit:
             causal = keys[None, :] <= mine[:, None]  # (S/cp, S)
             same = ids[:, :, None] == doc_ids[:, keys][:, None, :]
             mask = (same & causal).unsqueeze(1)
-        docs = ContextDocuments(ids, positions, mask, rank=self.rank, size=self.size)  # type: ignore[arg-type]
+        docs = ContextDocuments(
+            ids,
+            positions,
+            mask,  # type: ignore[arg-type]
+            rank=self.rank,
+            size=self.size,
+            sequence_ids=doc_ids,
+        )
         return x[:, mine], y[:, mine], docs
 
     def causal_documents(self, rows: int, local_len: int, device: torch.device) -> ContextDocuments:
@@ -213,6 +254,69 @@ class AllGatherAttend:
         return all_gather_autograd(t, 0, self.group)
 
 
+class AllToAllAttend:
+    """`parallel.cp_method: alltoall` (DeepSpeed Ulysses): an attention module's attend
+    (models/attention.py) that trades heads for sequence by an all-to-all over the cp
+    group, attends its h/cp heads over the whole sequence as at world 1, and trades
+    back (module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        docs: Documents | None = None,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
+        if not isinstance(docs, ContextDocuments):
+            raise RuntimeError(
+                "context-parallel attention needs the ContextDocuments of "
+                "ContextSplit.shard (the queries' positions, the documents' ids)"
+            )
+        cp = docs.size
+        b, h, s, d = q.shape
+        if h % cp:  # the layout rules refuse this first
+            raise ValueError(
+                f"cp_method alltoall: {h} heads on this rank, not divisible by cp {cp}"
+            )
+        if k.shape[1] % cp:  # too few key/value heads to split: repeat them first
+            k, v = repeat_kv(q, k), repeat_kv(q, v)
+        kv_heads = k.shape[1]
+        # one collective for q, k and v: each (b, heads, s, d) -> (cp, b, heads/cp, s, d),
+        # head group j to rank j, concatenated along the heads
+        sent = torch.cat([_by_rank(t, cp, dim=1) for t in (q, k, v)], dim=2)
+        got = self.exchange(sent)  # (cp, b, (h + 2 kv_heads)/cp, s, d): rank i's tokens
+        full = got.permute(1, 2, 0, 3, 4).reshape(b, -1, cp * s, d)  # gathered order
+        seq_len = cp * s
+        full = full.index_select(2, _sequence_order(seq_len, cp, full.device))
+        qs, ks, vs = full.split((h // cp, kv_heads // cp, kv_heads // cp), dim=1)
+        mask = docs.sequence_mask
+        ks, vs = repeat_kv(qs, ks), repeat_kv(qs, vs)
+        if mask is None:
+            out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout_p, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p)
+        # back to gathered order, then token block i to rank i
+        out = out.index_select(2, _positions(seq_len, cp, docs.rank, out.device)[1])
+        back = self.exchange(_by_rank(out, cp, dim=2))  # (cp, b, h/cp, s, d): head group j
+        return back.permute(1, 0, 2, 3, 4).reshape(b, h, s, d)
+
+    def exchange(self, t: torch.Tensor) -> torch.Tensor:
+        """All-to-all of `t` (cp, ...) over the cp group: block j goes to cp rank j, and
+        block i of the result came from cp rank i; its backward is the reverse."""
+        return all_to_all_single_autograd(t, None, None, self.group)
+
+
+def _by_rank(t: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """`t` with dimension `dim` cut into cp blocks, the blocks moved to a new leading
+    dimension (contiguous, for the all-to-all)."""
+    shape = t.shape[:dim] + (cp, t.shape[dim] // cp) + t.shape[dim + 1 :]
+    return t.reshape(shape).movedim(dim, 0).contiguous()
+
+
 class _CausalBlocks(torch.autograd.Function):
     """Causal attention of this cp rank's two chunks (head i = rank, tail j = 2cp-1-rank)
     against the keys of the whole sequence, in sequence order, without an S/cp x S mask:
@@ -298,11 +402,12 @@ def attention_modules(module: nn.Module) -> list[nn.Module]:
 def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
     """Give every attention module of `module` the context-parallel attend of `method`
     over `cp_mesh` (in place; nothing is communicated)."""
-    if method != "allgather":  # the layout rules refuse the others first
+    methods = {"allgather": AllGatherAttend, "alltoall": AllToAllAttend}
+    if method not in methods:  # the layout rules refuse the others first
         raise ValueError(f"parallel.cp_method={method} is not built")
     layers = attention_modules(module)
     if not layers:
         raise ValueError("context parallelism found no attention module using models.attention")
-    attend_all = AllGatherAttend(cp_mesh.get_group())
+    attend_all = methods[method](cp_mesh.get_group())
     for m in layers:
         m.attend = attend_all
