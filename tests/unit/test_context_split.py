@@ -163,7 +163,6 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
             ModelShape(**{**SHAPE.__dict__, "n_heads": 2, "kv_heads": 1}),
             ["parallel.cp_method=alltoall needs model.n_heads=2 divisible by parallel.cp=4"],
         ),
-        (LayoutRequest(cp=2, pp=2), SHAPE, ["parallel.cp=2 is not yet supported", "pp=2"]),
         (LayoutRequest(cp=2, servers=1), SHAPE, ["parallel.cp=2 with parallel.mode"]),
         (LayoutRequest(cp=2, compile=True), SHAPE, ["train.compile=true", "parallel.cp=2"]),
         (
@@ -178,7 +177,6 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
         "ring",
         "alltoall-tp-heads",
         "alltoall-heads",
-        "pp",
         "parameter-server",
         "compile",
         "moe",
@@ -188,6 +186,11 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
 def test_what_cp_cannot_run_is_refused_naming_the_fields(req, shape, words):
     problems = check(req, shape, JOB_NAMES)
     assert any(all(w in p for w in words) for p in problems), problems
+
+
+def test_cp_under_a_pipeline_is_accepted():
+    problems = check(LayoutRequest(cp=2, pp=2), SHAPE, JOB_NAMES, world_size=4)
+    assert not [p for p in problems if "cp" in p], problems
 
 
 @pytest.mark.parametrize(
