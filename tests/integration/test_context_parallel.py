@@ -207,8 +207,8 @@ def test_cp2_saves_at_most_six_tenths_of_world_1s_activations_at_seq_1024(gloo):
 @pytest.mark.slow
 def test_cp2_trains_through_the_cli_and_records_fewer_activations(job_factory):
     """`meshforge train --nproc 2` with parallel.cp=2 at seq 1024: the run completes, its
-    report names the layout, and its activation_bytes (logged and in report.json) are
-    at most 0.6x those of the same job on one rank."""
+    report names the layout and predicts the cp step, and its activation_bytes (logged
+    and in report.json) are at most 0.6x those of the same job on one rank."""
     long = {"model": {"seq_len": 1024, "n_heads": 4},
             "train": {"steps": 2, "global_batch": 2, "micro_batch": 1},
             "observe": {"log_every": 1}}  # fmt: skip
@@ -220,6 +220,11 @@ def test_cp2_trains_through_the_cli_and_records_fewer_activations(job_factory):
     report = two.report
     assert report["status"] == "completed"
     assert report["layout"]["cp"] == 2 and report["layout"]["dp"] == 1
+    # calibrated under cp: the prediction is of the cp layout, from its own step timed
+    # at the run's start (the K/V exchange in it)
+    predicted = report["predicted"]
+    assert predicted["layout"]["cp"] == 2, predicted
+    assert predicted["host"]["steps"]["cp"] == 2, predicted["host"]
 
     def saved(job) -> int:
         rows = [

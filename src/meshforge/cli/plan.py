@@ -133,8 +133,9 @@ Ep = Annotated[
 Cp = Annotated[
     int | None,
     _opt("--cp", help="Context-parallel degree: each sequence split over cp ranks (world = "
-         "pp x dp x cp x tp; searched at seq >= 16384 when left out). Planner only: the "
-         "trainer has no parallel.cp yet.", panel=_LAYOUT),
+         "pp x dp x cp x tp; searched at seq >= 16384 when left out). With --config, among "
+         "the layouts the trainer builds (parallel.cp_method allgather, no pp, experts "
+         "or compile).", panel=_LAYOUT),
 ]  # fmt: skip
 CpMethod = Annotated[
     str | None,

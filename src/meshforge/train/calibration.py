@@ -69,6 +69,7 @@ from meshforge.observe.peak import (
 from meshforge.observe.peak import METHOD as CPU_PEAK_METHOD
 from meshforge.observe.straggler import StragglerWatch, rank_figures
 from meshforge.parallel.activation_checkpointing import apply_activation_checkpointing
+from meshforge.parallel.mesh import gradient_mesh
 from meshforge.parallel.parallelize import (
     build_model_parts,
     data_parallel_kind,
@@ -532,7 +533,7 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
         model = cfg.model.model_copy(update={"n_layers": k * dims.n_stages})
         some = cfg.model_copy(update={"model": model})
         parts = build_model_parts(some, dims, mesh, device)
-        optimizers = Optimizers(some, parts, mesh["dp"], device)
+        optimizers = Optimizers(some, parts, gradient_mesh(mesh, dims), device)
         strategy = make_step(some, dims, mesh, parts, optimizers, device)
 
         def run(strategy: Any = strategy, optimizers: Any = optimizers) -> None:
@@ -559,7 +560,7 @@ def measure_steps(cfg: JobConfig, device: torch.device, mesh: Any, repeats: int 
     one, two = _agreed_seconds(seconds, device, None)
     schedule = dims.pp_schedule if dims.pp > 1 else "none"
     return TimedSteps(dims.pp, dims.n_stages // dims.pp, schedule, dims.dp, dims.zero, b, m,
-                      one, two, tp=dims.tp)  # fmt: skip
+                      one, two, tp=dims.tp, cp=dims.cp, cp_method=dims.cp_method)  # fmt: skip
 
 
 # -- the all-reduce ------------------------------------------------------------------------
@@ -637,10 +638,21 @@ def calibrate(cfg: JobConfig, engine: Engine, device: torch.device) -> MeasuredP
     whole step (tp 1, or a pipeline of tensor-parallel stages) or its model under
     tensor parallelism alone, with the sharded-optimizer timing on the dp mesh when
     it spans the world. None under a parameter server or a user's model: the planner
-    models neither; nor yet under context parallelism. Collective."""
+    models neither. Under context parallelism (tp 1, no pipeline: what the trainer
+    builds) the step timed is the job's own, its K/V exchange included, and the
+    optimizer and all-reduce are timed over the dp x cp ranks that reduce gradients;
+    with tp > 1 the machine alone (the tensor-parallel model is timed on whole
+    sequences), the step then predicted by the host model's traffic, the planner's
+    compute of s/cp tokens and its K/V exchange (plan.core.timing.host_step_time).
+    Collective."""
     dims = engine.dims
-    if dims.parameter_server or cfg.model.is_factory or dims.cp_enabled:
+    if dims.parameter_server or cfg.model.is_factory:
         return None
+    if dims.cp_enabled:
+        if dims.tp_enabled or dims.pp_enabled:
+            return measure_profile(device, cfg.precision.dtype, None, cfg)
+        group = gradient_mesh(engine.mesh, dims)
+        return measure_profile(device, cfg.precision.dtype, group, cfg, layout_mesh=engine.mesh)
     whole = not (dims.tp_enabled or dims.pp_enabled)
     group = engine.mesh["dp"] if whole else None
     return measure_profile(device, cfg.precision.dtype, group, cfg, layout_mesh=engine.mesh)
@@ -742,7 +754,7 @@ def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[
     the shards the sharded optimizer step runs on)."""
     if cfg is None:
         return None
-    return {
+    key: dict[str, Any] = {
         "name": cfg.model.name,
         "model": cfg.model.model_dump(),
         "micro_batch": cfg.train.micro_batch,
@@ -756,6 +768,10 @@ def _job_key(cfg: JobConfig | None, mesh: Any, layout_mesh: Any = None) -> dict[
         "virtual_stages": cfg._parallel().virtual_stages,
         "activation_checkpointing": cfg.train.activation_checkpointing,
     }
+    p = cfg._parallel()
+    if p.cp > 1:  # the step timed under context parallelism (cp 1 keeps its older keys)
+        key.update(cp=p.cp, cp_method=p.cp_method)
+    return key
 
 
 def _agreed_cache_entry(key: str, device: torch.device, group: Any) -> Any:

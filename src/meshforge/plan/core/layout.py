@@ -15,7 +15,8 @@ world = pp x dp x cp x tp. Weights are replicated over cp: gradients are reduced
 ZeRO shards states) over the dp x cp ranks holding the same weights, which are
 contiguous in steps of tp. cp takes no share of the batch (m = B/(b·dp)). Methods
 (CP_METHODS): allgather (Llama 3), ring (ring attention, Megatron-Core's p2p), alltoall
-(DeepSpeed-Ulysses). The planner side only: the trainer has no parallel.cp yet.
+(DeepSpeed-Ulysses). Any of them from flags; `plan --config` keeps to what meshforge's
+trainer builds (plan.jobs.job.JobPlan.trainer_cp).
 """
 
 from __future__ import annotations

@@ -544,7 +544,9 @@ class TimedSteps:
     gradient norm, clipping and AdamW), through the model cut to one and to two layers
     per stage (train/calibration.py; a layout without a pipeline has one stage): the
     difference is a layer per stage, its collectives, sends, bubble and optimizer share
-    included; the rest the embedding, head, loss and the step's fixed cost."""
+    included; the rest the embedding, head, loss and the step's fixed cost. Under
+    context parallelism (`cp` > 1, tp 1) the step of s/cp tokens a rank, its K/V
+    exchange included."""
 
     pp: int
     stages_per_rank: int  # more than one with interleaved and ZB-V schedules
@@ -556,14 +558,18 @@ class TimedSteps:
     one_layer_s: float  # a step with one layer in every stage
     two_layers_s: float  # ... with two
     tp: int = 1
+    cp: int = 1
+    cp_method: str = "allgather"
 
     def matches(self, layout: Layout, schedule: str, micro_batch: int, microbatches: int) -> bool:
         schedule = schedule if layout.pp > 1 else "none"
+        method = layout.cp_method if layout.cp > 1 else "allgather"
         return (
             self.tp, self.pp, self.schedule, self.dp, self.zero, self.micro_batch,
-            self.microbatches,
+            self.microbatches, self.cp, self.cp_method,
         ) == (
-            layout.tp, layout.pp, schedule, layout.dp, layout.zero, micro_batch, microbatches
+            layout.tp, layout.pp, schedule, layout.dp, layout.zero, micro_batch, microbatches,
+            layout.cp, method,
         )  # fmt: skip
 
     def step_s(self, layers_per_stage: float) -> float:
@@ -615,13 +621,20 @@ def host_step_time(
     planner prediction, whose compute, tensor-parallel, pipeline and bubble times it
     keeps; the data-parallel and optimizer terms are the host's. Where the run's own
     step (tp 1) or tensor-parallel model was timed (`HostCosts.steps`,
-    `.tensor_parallel`, for this layout), those figures replace the model's."""
+    `.tensor_parallel`, for this layout), those figures replace the model's.
+
+    Context parallelism (cp > 1): the gradients are reduced (and ZeRO shards) over the
+    dp x cp ranks holding the same weights, and the planner's exposed K/V exchange
+    (`cp_comm_s`) is added; of the timed figures only the run's own step applies
+    (`TimedSteps` of the same cp: the exchange is in it), the wrapping and the
+    tensor-parallel model being timed on whole sequences."""
     if prediction.time is None:
         raise ConfigError("a host step time needs a GPT shape")
     layout, training = prediction.layout, prediction.training
-    d, zero = layout.dp, layout.zero
-    m = training.microbatches(d)
-    bw, lat = cluster.group_busbw(d, layout.dp_stride)
+    d, zero = layout.grad_dp, layout.zero
+    m = training.microbatches(layout.dp)  # cp takes no share of the batch
+    bw, lat = cluster.group_busbw(d, layout.tp if layout.cp > 1 else layout.dp_stride)
+    timed_layout = layout.cp == 1  # the wrapping and tp figures are of layouts without cp
 
     def t(kind: str, size: float) -> float:
         return collective_time(kind, size, d, bw, lat)
@@ -632,7 +645,9 @@ def host_step_time(
     comm, optimizer = 0.0, 0.0
     rate = host.sharded_optimizer_bytes_per_s if zero >= 2 else host.optimizer_bytes_per_s
     wrapped = host.wrapped
-    if wrapped is not None and not (wrapped.matches(zero, d, m) and layout.tp == layout.pp == 1):
+    if wrapped is not None and not (
+        timed_layout and wrapped.matches(zero, d, m) and layout.tp == layout.pp == 1
+    ):
         wrapped = None  # timed for another layout: the traffic model alone
     for rank in rank_models(shape, layout.tp, layout.pp):
         traffic = data_parallel_traffic(rank, zero, m, training.precision, "redundancy")
@@ -666,8 +681,9 @@ def host_step_time(
     w_bw, w_lat = cluster.group_busbw(world, 1)
     logging = 2 * collective_time("all_reduce", 8.0, world, w_bw, w_lat) if logged else 0.0
     model_parallel = prediction.time.tp_comm_s + prediction.time.pp_comm_s
+    cp_comm = prediction.time.cp_comm_s
     tp = host.tensor_parallel
-    if tp is not None and tp.matches(layout, training.micro_batch, m):
+    if timed_layout and tp is not None and tp.matches(layout, training.micro_batch, m):
         # the blocks and ends as timed under the job's tensor parallelism and its
         # data-parallel wrapping (their collectives included); a recomputed forward
         # repeats a third of a block
@@ -681,17 +697,19 @@ def host_step_time(
     timed = host.steps
     if timed is not None and timed.matches(layout, schedule, training.micro_batch, m):
         # the whole step as timed: every stage's layers, sends, bubble, the data-parallel
-        # wrapping, the job's accumulation and recomputation, the optimizer, and a logged
-        # step's exchanges
+        # wrapping, the job's accumulation and recomputation, the optimizer, a logged
+        # step's exchanges, and under cp the K/V exchange
         v = timed.stages_per_rank
         zbv = schedule == "zbv"
         per_rank = max(r.layers for r in rank_models(shape, 1, layout.pp, v, zbv))
         compute = timed.step_s(per_rank / v)
         model_parallel, bubble, comm, optimizer, logging = 0.0, 0.0, 0.0, 0.0, 0.0
-    step = compute + model_parallel + bubble + comm + logging + optimizer
+        cp_comm = 0.0
+    step = compute + model_parallel + cp_comm + bubble + comm + logging + optimizer
     return {
         "compute_s": compute,
         "tp_pp_comm_s": model_parallel,
+        "cp_comm_s": cp_comm,
         "bubble_s": bubble,
         "dp_comm_exposed_s": comm,
         "logging_allreduce_s": logging,

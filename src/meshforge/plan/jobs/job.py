@@ -23,7 +23,7 @@ from meshforge.plan.core.layout import Layout, Training
 from meshforge.plan.core.memory import model_state_bytes
 from meshforge.plan.core.predict import Prediction, predict_run
 from meshforge.plan.core.profile import MachineProfile
-from meshforge.plan.core.search import LayoutChoice
+from meshforge.plan.core.search import CP_SEARCH_MIN_SEQ, LayoutChoice
 from meshforge.plan.core.timing import HostCosts, host_step_time
 
 
@@ -78,8 +78,10 @@ def predict_for_job(
             return pred, pred.time.to_dict()
         times = host_step_time(pred, shape, cluster, host, p.comm.bucket_mb,
                                schedule=p.pp_schedule)  # fmt: skip
-        if recompute == "full" and host.recompute_layer_s is not None and not model_timed:
-            # recomputation as timed on a layer, in place of the curve's FLOPs
+        if (recompute == "full" and host.recompute_layer_s is not None and not model_timed
+                and layout.cp == 1):  # fmt: skip
+            # recomputation as timed on a layer (of whole sequences), in place of the
+            # curve's FLOPs
             _, plain = run("none")
             m = pred.training.microbatches(layout.dp)
             layers = max(r.layers for r in rank_models(shape, layout.tp, layout.pp))
@@ -89,11 +91,12 @@ def predict_for_job(
         return pred, times
 
     m = t.global_batch // (t.micro_batch * dp)
-    # the model timed whole: under the job's tensor parallelism, or its whole step (tp 1,
-    # whose model parts recompute as the job does)
+    # the model timed whole: under the job's tensor parallelism (whole sequences: not
+    # under cp), or its whole step (tp 1, whose model parts recompute as the job does)
     model_timed = host is not None and (
         (
-            host.tensor_parallel is not None
+            layout.cp == 1
+            and host.tensor_parallel is not None
             and host.tensor_parallel.matches(layout, t.micro_batch, m)
         )
         or (host.steps is not None and host.steps.matches(layout, p.pp_schedule, t.micro_batch, m))
@@ -175,6 +178,8 @@ JOB_FIELDS = {
     "recompute": "train.activation_checkpointing",
     "sequence_parallel": "parallel.sequence_parallel",
     "ep": "parallel.ep",
+    "cp": "parallel.cp",
+    "cp_method": "parallel.cp_method",
 }
 # Pipeline schedules the planner's time and memory models describe (a v > 1 layout is
 # interleaved 1F1B); GPipe keeps every micro-batch's activations, ZB-V splits backward.
@@ -184,12 +189,18 @@ _MODELLED_SCHEDULES = ("1f1b", "interleaved_1f1b")
 @dataclass(frozen=True)
 class JobPlan:
     """A job as the planner sees it: its model shape, its training, and the layout
-    fields it gives (None in `choice`: searched)."""
+    fields it gives (None in `choice`: searched). `trainer_cp`: the layouts it checks
+    carry cp and cp_method to the trainer's rules (`meshforge plan --config`: the
+    trainer builds context parallelism, and refuses it with a pipeline, experts,
+    compile, a user's model, the ring and all-to-all methods it has not built); False
+    (`plan --model`, which plans a cp run for any trainer): the rules see the dp x cp
+    ranks as data parallel."""
 
     cfg: JobConfig
     shape: GPTShape
     training: Training
     choice: LayoutChoice
+    trainer_cp: bool = False
 
     @property
     def world_size(self) -> int | None:
@@ -211,10 +222,10 @@ class JobPlan:
             # block recomputed in full): a search offers only what the trainer does
             return "the trainer's activation checkpointing is none, full or every other block"
         if self.cfg.parallel == "auto" and (
-            lay.virtual_stages > 1 or lay.sequence_parallel or lay.ep > 1
+            lay.virtual_stages > 1 or lay.sequence_parallel or lay.ep > 1 or lay.cp > 1
         ):
             # plan/jobs/auto.py
-            return "parallel: auto chooses 1F1B without sequence or expert parallelism"
+            return "parallel: auto chooses 1F1B without sequence, expert or context parallelism"
         try:
             self._check(lay, train.micro_batch)
         except ConfigError as exc:
@@ -228,14 +239,18 @@ class JobPlan:
         c, p = self.choice, self.cfg.parallel
         if c.tp is None or c.pp is None or c.micro_batch is None or p == "auto":
             return
-        if n_gpus % (c.tp * c.pp) or c.dp not in (None, n_gpus // (c.tp * c.pp)):
+        if c.cp is None and self.shape.seq_len >= CP_SEARCH_MIN_SEQ:
+            return  # cp searched: the search decides
+        cp = c.cp or 1
+        if n_gpus % (c.tp * c.pp * cp) or c.dp not in (None, n_gpus // (c.tp * c.pp * cp)):
             return  # the search names the broken degree
         if c.virtual_stages is None and p.pp_schedule == "interleaved_1f1b":
             return
-        dp = n_gpus // (c.tp * c.pp)
+        dp = n_gpus // (c.tp * c.pp * cp)
         v, sp = c.virtual_stages or 1, bool(c.sequence_parallel)
         layout = Layout(dp=dp, tp=c.tp, pp=c.pp, zero=c.zero or 0, virtual_stages=v,
-                        sequence_parallel=sp, ep=c.ep or 1)  # fmt: skip
+                        sequence_parallel=sp, ep=c.ep or 1, cp=cp,
+                        cp_method=c.cp_method or "allgather")  # fmt: skip
         self._check(layout, c.micro_batch, comm=c.zero is not None)  # comm depends on zero
 
     def _check(self, lay: Layout, micro_batch: int, comm: bool = True) -> None:
@@ -245,12 +260,14 @@ class JobPlan:
         schedule = "interleaved_1f1b" if lay.virtual_stages > 1 else p.pp_schedule
         if lay.pp > 1 and schedule not in _MODELLED_SCHEDULES:
             raise ConfigError(f"the planner does not model parallel.pp_schedule={schedule}")
-        # the planner's cp is not yet the trainer's (which builds allgather only, without
-        # pp or experts): its rules see the dp x cp ranks as data parallel
+        if self.trainer_cp:  # the trainer's own cp rules (the class docstring)
+            cp = {"dp": lay.dp, "cp": lay.cp, "cp_method": lay.cp_method}
+        else:  # a cp run of any trainer: the dp x cp ranks seen as data parallel
+            cp = {"dp": lay.dp * lay.cp, "cp": 1}
         parallel = p.model_copy(
-            update={"dp": lay.dp * lay.cp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+            update={"tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                     "sequence_parallel": lay.sequence_parallel, "pp_schedule": schedule,
-                    "virtual_stages": lay.virtual_stages, "ep": lay.ep, "cp": 1}
+                    "virtual_stages": lay.virtual_stages, "ep": lay.ep, **cp}
         )  # fmt: skip
         train = self.cfg.train.model_copy(update={"micro_batch": micro_batch})
         cfg = self.cfg.model_copy(update={"parallel": parallel, "train": train})
@@ -276,7 +293,9 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
     """The layout fields a job gives. A field the job file (or `--set`) names is given;
     one it leaves out, `dp: auto`, or every field under `parallel: auto` is searched.
     `train.micro_batch` is searched when the job leaves it out or says `parallel: auto`
-    (which chooses it at launch); `train.activation_checkpointing` when it is left out."""
+    (which chooses it at launch); `train.activation_checkpointing` when it is left out.
+    `parallel.cp` left out is searched as `plan --model` searches it (at long sequences
+    only, plan.core.search); `parallel.cp_method` left out is allgather."""
     t = cfg.train
     named_train = t.model_fields_set
     recompute = t.activation_checkpointing if "activation_checkpointing" in named_train else None
@@ -303,7 +322,8 @@ def job_choice(cfg: JobConfig) -> LayoutChoice:
         recompute=recompute,
         sequence_parallel=given("sequence_parallel"),
         ep=given("ep"),
-        cp=1,  # the trainer has no context parallelism (parallel.cp) yet
+        cp=given("cp"),
+        cp_method=given("cp_method"),
     )
 
 
@@ -333,18 +353,9 @@ def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPla
     AdamW and SDPA attention; the layout fields the job gives, each overridden by the
     same field in `flags` (the command line's --dp, --tp, ...). ConfigError for what the
     planner cannot model: a user's factory model, parameter-server mode, a GPipe or
-    ZB-V pipeline."""
+    ZB-V pipeline. Context parallelism (parallel.cp, or --cp and --cp-method) is planned
+    among the layouts the trainer builds (`JobPlan.trainer_cp`)."""
     _collective_only(cfg)
-    if flags.cp not in (None, 1) or flags.cp_method is not None:
-        raise ConfigError(
-            "--cp/--cp-method with --config: plan --config does not yet plan context "
-            "parallelism (parallel.cp); plan cp from flags (--model or --layers ...)"
-        )
-    if cfg.parallel != "auto" and cfg.parallel.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: plan --config does not yet plan context "
-            "parallelism; plan cp from flags (--model or --layers ... --cp)"
-        )
     shape = shape_of(cfg)
     choice = job_choice(cfg)
     overrides = {f.name: getattr(flags, f.name) for f in fields(flags)}
@@ -359,4 +370,4 @@ def plan_for_job(cfg: JobConfig, flags: LayoutChoice = LayoutChoice()) -> JobPla
         optimizer="adamw",  # train/optim.py: the trainer's only optimizer
         sdpa=True,  # models/: attention through scaled_dot_product_attention
     )
-    return JobPlan(cfg, shape, training, choice)
+    return JobPlan(cfg, shape, training, choice, trainer_cp=True)
