@@ -220,6 +220,9 @@ def test_cp2_trains_through_the_cli_and_records_fewer_activations(job_factory):
     report = two.report
     assert report["status"] == "completed"
     assert report["layout"]["cp"] == 2 and report["layout"]["dp"] == 1
+    # the K/V exchange profiled in one step: exposed communication, and said so
+    assert "context-parallel" in report["communication"]["method"]
+    assert report["time_breakdown"]["exposed_comm"] > 0, report["time_breakdown"]
     # calibrated under cp: the prediction is of the cp layout, from its own step timed
     # at the run's start (the K/V exchange in it)
     predicted = report["predicted"]

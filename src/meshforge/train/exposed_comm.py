@@ -3,11 +3,12 @@
 `CommMeasure` is the trainer's one place for it. Data parallel (tp = pp = 1): a step's
 forward+backward minus the same work with no communication, either the step's no_sync
 micro-batches (DDP with accumulation) or a communication-free replica timed at the
-first step (`reference`). Tensor parallel: one logged step is run under the profiler
-(`run_step`), and the share of its forward+backward spent in collectives carries over
-to the other steps. Pipelines: their waits are the bubble, reported apart. Bytes: what
-this rank hands torch.distributed per step and, on a host's first rank, what the host's
-interfaces sent (observe/comm_bytes.py), over each logged interval.
+first step (`reference`). Tensor and context parallel: one logged step is run under
+the profiler (`run_step`), and the share of its forward+backward spent in their
+(functional) collectives carries over to the other steps; under cp the data-parallel
+reduction over dp x cp is not in it. Pipelines: their waits are the bubble, reported
+apart. Bytes: what this rank hands torch.distributed per step and, on a host's first
+rank, what the host's interfaces sent (observe/comm_bytes.py), over each logged interval.
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ class CommMeasure:
                 "; tensor-parallel collectives profiled" if self.dims.tp_enabled else ""
             )
         if self.dims.cp_enabled:
-            return "not yet measured under context parallelism"
+            return (
+                "context-parallel K/V exchange"
+                + (" and tensor-parallel collectives" if self.dims.tp_enabled else "")
+                + " profiled in one sampled step (the data-parallel reduction not included)"
+            )
         if self.dims.tp_enabled:
             return "tensor-parallel collectives profiled in one sampled step"
         if self.no_peers():
@@ -106,7 +111,9 @@ class CommMeasure:
         first, not a traced one: one profiler at a time) runs under the profiler when
         the layout is tensor parallel."""
         strategy = self.engine.strategy
-        if not (logging and may_profile and self.dims.tp_enabled and not self.tp_sampled):
+        # tensor and context parallel run their collectives as torch's functional ones
+        profiled = self.dims.tp_enabled or self.dims.cp_enabled
+        if not (logging and may_profile and profiled and not self.tp_sampled):
             return strategy.step(step, micro_batches, logging)
         result, tp_comm_s = measure_tp_comm(
             functools.partial(strategy.step, step, micro_batches, True), self.device
@@ -120,9 +127,7 @@ class CommMeasure:
     def exposed_s(self, result: StepResult) -> float | None:
         """Communication time of a logged step not hidden behind compute."""
         micro_s = result.micro_s
-        if self.dims.cp_enabled:  # its all-gathers sit in every micro-batch: not yet
-            return None
-        if self.dims.tp_enabled:
+        if self.dims.tp_enabled or self.dims.cp_enabled:  # gloo's collectives block
             if self.tp_comm_share is None:
                 return 0.0 if self.dims.pp_enabled else None
             return self.tp_comm_share * (sum(micro_s) or result.busy_s or 0.0)
