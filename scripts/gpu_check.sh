@@ -2,7 +2,8 @@
 # GPU readiness check: one command, under 5 minutes on one GPU.
 # Trains a ~124M-parameter GPT in bf16 for 100 steps (fused AdamW, SDPA flash
 # attention) with meshforge's own trainer and prints tokens/s and MFU; then the
-# same with torch.compile; then a small mixture of experts in bf16 (grouped GEMM). Output: stdout, and OUT_DIR/gpu_check.txt.
+# same with torch.compile; then a small mixture of experts in bf16 (grouped GEMM);
+# then document masking through FlexAttention against the explicit mask. Output: stdout, and OUT_DIR/gpu_check.txt.
 #   scripts/gpu_check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,5 +43,44 @@ r = json.load(open(sys.argv[1]))
 print(f"RESULT moe first_loss={r['first_loss']:.3f} final_loss={r['final_loss']:.3f} "
       f"tokens/s={r['tokens_per_s']:.0f} dropped={r['moe'].get('dropped')}")
 PYEOF
+  # document masking through FlexAttention (models/attention.py): compiled flex_attention
+  # with a block mask vs SDPA with the explicit mask, a tiny Llama (GQA) on packed
+  # documents, fp32: logits and gradients; then the unit tests (their CUDA-only gradient
+  # tests included)
+  echo "-- document masking: flex_attention vs explicit mask"
+  timeout 240 "$PY" - <<'PYEOF' || echo "flex check failed: $?"
+import os, time, torch
+from meshforge.models.attention import ATTENTION_ENV, documents_of
+from meshforge.models.llama import Llama, LlamaArgs
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+args = LlamaArgs(vocab_size=256, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2,
+                 seq_len=1024, ffn_hidden=512)
+model = Llama(args).to(dev)
+idx = torch.randint(1, 256, (2, 1024), device=dev)
+idx[idx < 8] = 0  # ~3% separators: dozens of documents a row, EOT id 0
+def run(path):
+    os.environ[ATTENTION_ENV] = path
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad() if dev == "cuda" else torch.no_grad():  # no CPU flex backward
+        t = time.perf_counter()
+        logits = model(idx, docs=documents_of(idx, 0))
+        if dev == "cuda":
+            logits.float().square().mean().backward()
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return logits.detach(), grads, dt
+run("mask"), run("flex")  # warm-up: flex_attention and create_block_mask compile
+want, gwant, t_mask = run("mask")
+got, ggot, t_flex = run("flex")
+diff = (got - want).abs().max().item()
+gdiff = max([(a - b).abs().max().item() for a, b in zip(ggot, gwant)], default=float("nan"))
+ok = diff < 1e-4 and (dev != "cuda" or (len(ggot) == len(gwant) and gdiff < 1e-4))
+print(f"RESULT flex device={dev} max_abs_diff={diff:.2e} grad_max_abs_diff={gdiff:.2e} "
+      f"step_flex={t_flex*1e3:.1f}ms step_mask={t_mask*1e3:.1f}ms {'OK' if ok else 'MISMATCH'}")
+PYEOF
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_flex_document_masking.py \
+    || echo "flex unit tests failed: $?"
 } 2>&1 | tee "$log"
 rm -rf "$RUNS"
