@@ -487,6 +487,47 @@ def test_ring_attention_in_bf16_keeps_its_dtype_and_world_1s_values():
         torch.testing.assert_close(total, ref_g, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "efficient"])
+def test_ring_attention_on_a_cuda_device_equals_world_1_attention(dtype):
+    """scripts/gpu_check.sh: the CUDA kernels (`_CudaFlash`) inside the ring, the cp ranks
+    as threads on one GPU, against world 1's attention in float32 (the real NCCL
+    exchange needs one GPU a rank)."""
+    torch.manual_seed(0)
+    cp, b, h, s, d, dev = 4, 2, 8, 1024, 64, torch.device("cuda")
+    q = torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, device=dev, dtype=dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(
+        qf, kf.repeat_interleave(4, dim=1), vf.repeat_interleave(4, dim=1), is_causal=True
+    )
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (qf, kf, vf))
+    x = torch.zeros(b, s, dtype=torch.long, device=dev)
+    outs: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        _, _, docs = ContextSplit(rank, cp).shard(x, x)
+        mine = chunk_positions(s, cp, rank).to(dev)
+        out = _threaded_attend(group, rank, "ring")(q[:, :, mine], k[:, :, mine], v[:, :, mine],
+                                                    docs)  # fmt: skip
+        outs[rank] = out.detach()
+        grads[rank] = torch.autograd.grad((out.double() * w[:, :, mine]).sum(), (q, k, v))
+        torch.cuda.synchronize()
+
+    _run_threads(cp, rank_main)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    for rank in range(cp):
+        mine = chunk_positions(s, cp, rank).to(dev)
+        assert outs[rank].dtype == dtype
+        torch.testing.assert_close(outs[rank].double(), ref[:, :, mine], **tol)
+    for i, ref_g in enumerate(ref_grads):
+        total = sum(grads[rank][i].double() for rank in range(cp))
+        torch.testing.assert_close(total, ref_g, rtol=tol["rtol"], atol=5 * tol["atol"])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "efficient"])
 def test_the_cuda_kernels_are_called_as_their_schemas_say(dtype):
     """No GPU here: the CUDA kernels' calls (flash for bf16, memory-efficient for fp32,
