@@ -236,6 +236,7 @@ class ModelConfig(_Section):
             seq_len=self.seq_len,
             tie_embeddings=self.tie_embeddings,
             experts=self.moe.experts if self.moe is not None else 0,
+            dropout=self.dropout,
         )
 
     @property
@@ -316,9 +317,10 @@ class ParallelConfig(_Section):
     # head and tail, so causal work is balanced); a mesh dimension of its own
     cp: int = Field(1, ge=1)
     # how attention sees the other cp ranks' keys and values: allgather (all-gather K
-    # and V, Llama 3's) or alltoall (DeepSpeed Ulysses: an all-to-all trades heads for
-    # sequence, so cp must divide model.n_heads / parallel.tp); ring is refused, not
-    # yet built (CUDA only)
+    # and V, Llama 3's), alltoall (DeepSpeed Ulysses: an all-to-all trades heads for
+    # sequence, so cp must divide model.n_heads / parallel.tp) or ring (ring attention:
+    # K and V passed around the cp ranks while attention runs, on CUDA devices only;
+    # plain causal attention, without data.document_masking or model.dropout)
     cp_method: Literal["allgather", "ring", "alltoall"] = "allgather"
     # Under pp > 1 the pipeline's micro-batches are the gradient-accumulation
     # micro-batches: global_batch / (dp x micro_batch) of them, micro_batch each.
@@ -653,9 +655,13 @@ class JobConfig(_Section):
         self.observe.check_sinks()
 
     # -- layout -------------------------------------------------------------
-    def layout_request(self) -> LayoutRequest:
-        """The layout this job asks for, as the layout rules read it."""
+    def layout_request(self, device: str | None = None) -> LayoutRequest:
+        """The layout this job asks for, as the layout rules read it. `device`: the
+        workers' device type where the caller knows it (a launch, a worker); else
+        runtime.device's, unless auto (not known yet)."""
         p = self._parallel()
+        if device is None and self.runtime.device != "auto":
+            device = self.runtime.device
         ps = p.ps or ParameterServerConfig()
         server = p.mode == "parameter_server"
         return LayoutRequest(
@@ -677,13 +683,15 @@ class JobConfig(_Section):
             global_batch=self.train.global_batch,
             micro_batch=self.train.micro_batch,
             document_masking=self.data.document_masking,
+            device=device,
         )
 
-    def dims(self, world_size: int) -> ParallelDims:
-        """The checked layout on `world_size` ranks; ConfigError naming the first rule
+    def dims(self, world_size: int, device: str | None = None) -> ParallelDims:
+        """The checked layout on `world_size` ranks (`device`: the workers' device type,
+        where the caller knows it: `layout_request`); ConfigError naming the first rule
         it breaks (layout/rules.py), prefixed with the job file it was read from."""
         try:
-            return derive(self.layout_request(), self.model.layout_shape(), world_size)
+            return derive(self.layout_request(device), self.model.layout_shape(), world_size)
         except ConfigError as exc:
             if self._source is None:
                 raise

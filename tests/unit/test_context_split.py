@@ -1,8 +1,9 @@
 """Context parallelism's split (parallel/context_parallel.py) and its layout rules: each
 cp rank keeps a chunk from each end of every sequence, and its queries against the
 gathered keys, under its mask, give exactly world 1's attention at its positions; so
-does alltoall (Ulysses), each rank's heads over the whole sequence. The cp ranks run
-as threads here; the collectives themselves run in
+does alltoall (Ulysses), each rank's heads over the whole sequence, and ring (ring
+attention), the keys and values passed round the ranks. The cp ranks run as threads
+here; the collectives and ring's point-to-point exchange themselves run in
 tests/integration/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -120,8 +121,13 @@ def test_the_model_keeps_its_attend_until_context_parallelism_swaps_it():
     assert {type(m.attend).__name__ for m in ulysses.modules() if hasattr(m, "attend")} == {
         "AllToAllAttend"
     }
-    with pytest.raises(ValueError, match="cp_method=ring is not built"):
-        apply_context_parallel(ulysses, FakeMesh(), "ring")  # type: ignore[arg-type]
+    ring = GPT(GPTArgs(vocab_size=32, d_model=16, n_layers=2, n_heads=2, seq_len=8))
+    apply_context_parallel(ring, FakeMesh(), "ring")  # type: ignore[arg-type]
+    assert {type(m.attend).__name__ for m in ring.modules() if hasattr(m, "attend")} == {
+        "RingAttend"
+    }
+    with pytest.raises(ValueError, match="cp_method=zigzag is not built"):
+        apply_context_parallel(ulysses, FakeMesh(), "zigzag")  # type: ignore[arg-type]
     fresh = GPT(GPTArgs(vocab_size=32, d_model=16, n_layers=2, n_heads=2, seq_len=8))
     assert len(attention_modules(fresh)) == 2  # an instance's attend, not the class's
 
@@ -149,7 +155,24 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
     ("req", "shape", "words"),
     [
         (LayoutRequest(cp=3), SHAPE, ["parallel.cp=3 needs model.seq_len=32", "2 x cp = 6"]),
-        (LayoutRequest(cp=2, cp_method="ring"), SHAPE, ["parallel.cp_method=ring", "CUDA"]),
+        (
+            LayoutRequest(cp=2, cp_method="ring", device="cpu"),
+            SHAPE,
+            [
+                "parallel.cp_method=ring needs CUDA devices, and this job's workers would run "
+                "on cpu (runtime.device); use parallel.cp_method=allgather or alltoall"
+            ],
+        ),  # fmt: skip
+        (
+            LayoutRequest(cp=2, cp_method="ring", device="cuda", document_masking=True),
+            SHAPE,
+            ["parallel.cp_method=ring with data.document_masking=true is not yet built"],
+        ),
+        (
+            LayoutRequest(cp=2, cp_method="ring", device="cuda"),
+            ModelShape(**{**SHAPE.__dict__, "dropout": 0.1}),
+            ["parallel.cp_method=ring with model.dropout=0.1"],
+        ),
         (
             LayoutRequest(cp=4, tp=2, cp_method="alltoall"),
             SHAPE,
@@ -174,7 +197,9 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
     ],
     ids=[
         "seq-len",
-        "ring",
+        "ring-on-cpu",
+        "ring-documents",
+        "ring-dropout",
         "alltoall-tp-heads",
         "alltoall-heads",
         "parameter-server",
@@ -186,6 +211,13 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
 def test_what_cp_cannot_run_is_refused_naming_the_fields(req, shape, words):
     problems = check(req, shape, JOB_NAMES)
     assert any(all(w in p for w in words) for p in problems), problems
+
+
+@pytest.mark.parametrize("device", ["cuda", None], ids=["cuda", "not-known-yet"])
+def test_ring_is_accepted_on_cuda_and_until_the_device_is_known(device):
+    # unlike alltoall, cp need not divide a tensor-parallel rank's heads (4 / 2)
+    req = LayoutRequest(cp=4, tp=2, pp=2, cp_method="ring", device=device)
+    assert check(req, ModelShape(**{**SHAPE.__dict__, "kv_heads": 2}), JOB_NAMES) == []
 
 
 def test_cp_under_a_pipeline_is_accepted():
@@ -219,8 +251,14 @@ def test_the_job_file_carries_cp_and_its_method():
     assert (dims.dp, dims.cp) == (2, 2)
     ulysses = build_config({**raw, "parallel": {"cp": 2, "cp_method": "alltoall"}}).dims(2)
     assert ulysses.as_dict()["cp_method"] == "alltoall"
-    with pytest.raises(ConfigError, match="parallel.cp_method=ring runs on CUDA"):
-        build_config({**raw, "parallel": {"cp": 2, "cp_method": "ring"}}).dims(2)
+    ring = build_config({**raw, "parallel": {"cp": 2, "cp_method": "ring"}})
+    assert ring.dims(2, "cuda").as_dict()["cp_method"] == "ring"
+    assert ring.dims(2).cp == 2  # runtime.device: auto, not known until a launch decides
+    with pytest.raises(ConfigError, match="parallel.cp_method=ring needs CUDA devices"):
+        ring.dims(2, "cpu")  # what the launcher and the workers pass
+    with pytest.raises(ConfigError, match=r"ring needs CUDA .* run on cpu \(runtime.device\)"):
+        build_config({**raw, "parallel": {"cp": 2, "cp_method": "ring"},
+                      "runtime": {"device": "cpu"}})  # fmt: skip
 
 
 # -- the whole model, its cp ranks as threads --------------------------------------------------
@@ -272,7 +310,7 @@ class _ThreadAllToAll(torch.autograd.Function):
 
 
 def _threaded_attend(group: _ThreadGroup, rank: int, method: str = "allgather"):
-    from meshforge.parallel.context_parallel import AllGatherAttend, AllToAllAttend
+    from meshforge.parallel.context_parallel import AllGatherAttend, AllToAllAttend, RingAttend
 
     class ThreadGatherAttend(AllGatherAttend):
         def gather(self, t):
@@ -283,7 +321,16 @@ def _threaded_attend(group: _ThreadGroup, rank: int, method: str = "allgather"):
             assert t.shape[0] == group.size
             return _ThreadAllToAll.apply(t, group, rank)
 
-    cls = {"allgather": ThreadGatherAttend, "alltoall": ThreadAllToAllAttend}[method]
+    class ThreadRingAttend(RingAttend):
+        def rotate(self, tensors):
+            # every rank sends to rank + 1: this one receives rank - 1's
+            sent = group.exchange(rank, [t.detach().clone() for t in tensors])
+            got = sent[(rank - 1) % group.size]
+            assert [(g.shape, g.dtype) for g in got] == [(t.shape, t.dtype) for t in tensors]
+            return lambda: got
+
+    cls = {"allgather": ThreadGatherAttend, "alltoall": ThreadAllToAllAttend,
+           "ring": ThreadRingAttend}[method]  # fmt: skip
     return cls(group=None)  # type: ignore[arg-type]
 
 
@@ -365,6 +412,173 @@ def test_alltoall_refuses_heads_the_cp_ranks_cannot_split():
         attend(q, q, q, Documents(x, x, None))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "gqa1"])
+def test_ring_attention_on_cp_threads_equals_world_1_attention(cp, kv_heads):
+    """Ring attention: each rank's two query chunks against every rank's key chunks as
+    they come round (full, causal or skipped by chunk index), merged by log-sum-exp,
+    give world 1's causal attention at its tokens; backward, the key/value gradients
+    that travelled round with them, summed over the ranks, are world 1's (grouped-query
+    heads travel unrepeated)."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 4, 32, 8
+    x = _tokens(b, s, seed=1)
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, requires_grad=True) for _ in range(2))
+    group_size = h // kv_heads
+    k_rep, v_rep = (t.repeat_interleave(group_size, dim=1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    outs: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        _, _, docs = ContextSplit(rank, cp).shard(x, x)
+        mine = chunk_positions(s, cp, rank)
+        attend = _threaded_attend(group, rank, "ring")
+        out = attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], docs)
+        outs[rank] = out.detach()
+        grads[rank] = torch.autograd.grad((out * w[:, :, mine]).sum(), (q, k, v))
+
+    _run_threads(cp, rank_main)
+    for rank in range(cp):
+        mine = chunk_positions(s, cp, rank)
+        torch.testing.assert_close(outs[rank], ref[:, :, mine], rtol=1e-5, atol=1e-6)
+    for i, ref_g in enumerate(ref_grads):
+        total = sum(grads[rank][i] for rank in range(cp))
+        torch.testing.assert_close(total, ref_g, rtol=1e-4, atol=1e-5)
+
+
+def test_ring_attention_in_bf16_keeps_its_dtype_and_world_1s_values():
+    """bf16 queries, keys and values: the output and gradients come back in bf16 (merged
+    and accumulated in float32 in between), within bf16's rounding of world 1's float32
+    attention."""
+    torch.manual_seed(0)
+    cp, b, h, s, d = 4, 2, 4, 64, 16
+    x = _tokens(b, s, seed=1)
+    q = torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(
+        qf, kf.repeat_interleave(2, dim=1), vf.repeat_interleave(2, dim=1), is_causal=True
+    )
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (qf, kf, vf))
+    outs: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        _, _, docs = ContextSplit(rank, cp).shard(x, x)
+        mine = chunk_positions(s, cp, rank)
+        out = _threaded_attend(group, rank, "ring")(q[:, :, mine], k[:, :, mine], v[:, :, mine],
+                                                    docs)  # fmt: skip
+        outs[rank] = out.detach()
+        grads[rank] = torch.autograd.grad((out.float() * w[:, :, mine]).sum(), (q, k, v))
+
+    _run_threads(cp, rank_main)
+    for rank in range(cp):
+        assert outs[rank].dtype == torch.bfloat16
+        mine = chunk_positions(s, cp, rank)
+        torch.testing.assert_close(outs[rank].float(), ref[:, :, mine], rtol=2e-2, atol=2e-2)
+    for i, ref_g in enumerate(ref_grads):
+        assert all(grads[rank][i].dtype == torch.bfloat16 for rank in range(cp))
+        total = sum(grads[rank][i].float() for rank in range(cp))
+        torch.testing.assert_close(total, ref_g, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "efficient"])
+def test_ring_attention_on_a_cuda_device_equals_world_1_attention(dtype):
+    """scripts/gpu_check.sh: the CUDA kernels (`_CudaFlash`) inside the ring, the cp ranks
+    as threads on one GPU, against world 1's attention in float32 (the real NCCL
+    exchange needs one GPU a rank)."""
+    torch.manual_seed(0)
+    cp, b, h, s, d, dev = 4, 2, 8, 1024, 64, torch.device("cuda")
+    q = torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, device=dev, dtype=dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(
+        qf, kf.repeat_interleave(4, dim=1), vf.repeat_interleave(4, dim=1), is_causal=True
+    )
+    w = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (qf, kf, vf))
+    x = torch.zeros(b, s, dtype=torch.long, device=dev)
+    outs: dict[int, torch.Tensor] = {}
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        _, _, docs = ContextSplit(rank, cp).shard(x, x)
+        mine = chunk_positions(s, cp, rank).to(dev)
+        out = _threaded_attend(group, rank, "ring")(q[:, :, mine], k[:, :, mine], v[:, :, mine],
+                                                    docs)  # fmt: skip
+        outs[rank] = out.detach()
+        grads[rank] = torch.autograd.grad((out.double() * w[:, :, mine]).sum(), (q, k, v))
+        torch.cuda.synchronize()
+
+    _run_threads(cp, rank_main)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    for rank in range(cp):
+        mine = chunk_positions(s, cp, rank).to(dev)
+        assert outs[rank].dtype == dtype
+        torch.testing.assert_close(outs[rank].double(), ref[:, :, mine], **tol)
+    for i, ref_g in enumerate(ref_grads):
+        total = sum(grads[rank][i].double() for rank in range(cp))
+        torch.testing.assert_close(total, ref_g, rtol=tol["rtol"], atol=5 * tol["atol"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "efficient"])
+def test_the_cuda_kernels_are_called_as_their_schemas_say(dtype):
+    """No GPU here: the CUDA kernels' calls (flash for bf16, memory-efficient for fp32,
+    its log-sum-exp padded to 32) run on meta tensors, which checks their arguments
+    and the shapes and dtypes they give back, not their values."""
+    from meshforge.parallel.context_parallel import _CudaFlash
+
+    q = torch.empty(2, 4, 40, 64, dtype=dtype, device="meta")
+    out, lse = _CudaFlash.forward(q, q, q, True, 0.125)
+    assert (out.shape, out.dtype) == (q.shape, dtype)
+    assert (lse.shape, lse.dtype) == ((2, 4, 40), torch.float32)
+    grads = _CudaFlash.backward(out, q, q, q, out, lse, False, 0.125)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype)] * 3
+
+
+def test_ring_pairs_attend_each_earlier_chunk_once_and_its_own_causally():
+    from meshforge.parallel.context_parallel import _ring_pairs
+
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            mine = (rank, 2 * cp - 1 - rank)
+            seen = []
+            for src in range(cp):
+                theirs = (src, 2 * cp - 1 - src)
+                for n, m, causal in _ring_pairs(rank, src, cp):
+                    assert causal == (theirs[m] == mine[n])
+                    seen.append((mine[n], theirs[m]))
+            # every key chunk at or before each query chunk, once
+            assert sorted(seen) == sorted((i, j) for i in mine for j in range(i + 1))
+
+
+def test_ring_refuses_documents_and_attention_dropout():
+    from meshforge.models.attention import Documents
+    from meshforge.parallel.context_parallel import RingAttend, _CudaFlash, _Flash
+
+    attend = RingAttend(group=None)  # type: ignore[arg-type]
+    x = _tokens(1, 8, seed=0)
+    q = torch.randn(1, 2, 4, 4)
+    _, _, masked = ContextSplit(0, 2).shard(x, x, EOT)
+    with pytest.raises(ValueError, match="ring: document masking is not yet built"):
+        attend(q, q, q, masked)
+    _, _, plain = ContextSplit(0, 2).shard(x, x)
+    with pytest.raises(ValueError, match="ring: attention dropout"):
+        attend(q, q, q, plain, dropout_p=0.1)
+    with pytest.raises(RuntimeError, match="ContextDocuments"):
+        attend(q, q, q, Documents(x, x, None))  # type: ignore[arg-type]
+    # the kernels by device: CPU's here, CUDA's where the tensors are
+    assert _Flash.of(torch.device("cpu")) is _Flash
+    assert _Flash.of(torch.device("cuda", 0)) is _CudaFlash
+
+
 def _models():
     from meshforge.models.llama import Llama, LlamaArgs
 
@@ -376,9 +590,14 @@ def _models():
     return {"gpt": lambda: GPT(gpt), "llama": lambda: Llama(llama)}
 
 
-@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+@pytest.mark.parametrize(
+    ("method", "masking"),
+    [("allgather", False), ("allgather", True), ("alltoall", False), ("alltoall", True),
+     ("ring", False)],  # ring: plain causal attention only (the layout rules)
+    ids=["allgather-causal", "allgather-documents", "alltoall-causal", "alltoall-documents",
+         "ring-causal"],
+)  # fmt: skip
 @pytest.mark.parametrize("model", ["gpt", "llama"])
-@pytest.mark.parametrize("masking", [False, True], ids=["causal", "documents"])
 def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking, method):
     from meshforge.train.step import cross_entropy
 

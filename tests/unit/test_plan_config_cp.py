@@ -72,6 +72,13 @@ def test_the_cp_flag_over_a_job_fixes_cp(meshforge, tmp_path):
     assert out["layout_fields"]["cp"] == "given"
 
 
+def test_ring_is_planned_for_the_gpus_it_runs_on(meshforge, tmp_path):
+    """parallel.cp_method=ring is built for CUDA devices: a job that leaves
+    runtime.device to the launch is planned with it (refused where it says cpu, below)."""
+    out = _plan(meshforge, _job(tmp_path), "--cp-method", "ring")
+    assert out["layout"]["cp"] == 2 and out["layout"]["cp_method"] == "ring"
+
+
 def test_a_long_job_searches_cp_among_what_the_trainer_builds(meshforge, tmp_path):
     """At 128k tokens of Llama 3 8B on 64 GPUs the search chooses cp (nothing fits
     without it), by the method a job gets where it names none (allgather)."""
@@ -94,8 +101,8 @@ def test_a_long_job_searches_cp_among_what_the_trainer_builds(meshforge, tmp_pat
     [
         ({"dp": 1, "cp": 4}, {"n_heads": 2, "n_kv_heads": 1},
          ["--cp-method", "alltoall", "--gpus", "4"], ("alltoall", "2", "4")),
-        ({"dp": 1, "cp": 2}, {}, ["--cp-method", "ring", "--gpus", "2"],
-         ("parallel.cp_method=ring", "CUDA")),
+        ({"dp": 1, "cp": 2}, {}, ["--cp-method", "ring", "--set", "runtime.device=cpu",
+         "--gpus", "2"], ("parallel.cp_method=ring needs CUDA devices",)),
         ({"dp": 1, "cp": 4, "cp_method": "alltoall"}, {"n_heads": 2, "n_kv_heads": 1},
          ["--gpus", "4"], ("alltoall", "2", "4")),
         ({"dp": 1, "cp": 2}, {"moe": {"experts": 4, "top_k": 2, "expert_ffn": 32}},

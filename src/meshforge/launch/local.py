@@ -285,6 +285,7 @@ def _launch_training(argv: list[str], preloaded: Any, pressed: list[int]) -> int
         config_name=config_name,
         lock=lock,
         fresh=a.fresh,
+        workers_here=True,
     )
     if job.finished is not None:  # nothing to train, nothing written
         print(job.finished, flush=True)

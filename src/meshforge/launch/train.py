@@ -18,15 +18,17 @@ from meshforge.config import JobConfig, load_config, save_config
 from meshforge.data.corpus import BUILTIN_PREFIX, check_source, end_of_text_id, load_tokens
 from meshforge.errors import ConfigError
 from meshforge.launch.rundir import check_earlier_run, outputs_of
-from meshforge.plan.jobs.auto import resolve_parallel_auto
+from meshforge.plan.jobs.auto import launch_device, resolve_parallel_auto
 from meshforge.rundir.files import remove_earlier_run
 from meshforge.rundir.outputs import claim_all
 from meshforge.runtime.runlock import LOCK_FILE
 
 
-def validate_job(cfg: JobConfig, world_size: int) -> None:
+def validate_job(cfg: JobConfig, world_size: int, device: str | None = None) -> None:
+    """`device`: the workers' device type where the launcher knows it (the layout rules
+    that need one, e.g. parallel.cp_method=ring's CUDA, wait for the workers' else)."""
     cfg.check_trainable()
-    cfg.dims(world_size)
+    cfg.dims(world_size, device)
     check_data(cfg)
     check_model(cfg)
 
@@ -68,7 +70,7 @@ def check_data(cfg: JobConfig) -> None:
         )
 
 
-def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
+def check_worlds(cfg: JobConfig, worlds: list[int], device: str | None = None) -> None:
     """The layout must fit every world size the job can run at: an elastic job that
     grows to a size its batch does not divide would fail when the node joins.
     `parallel: auto` is left for global rank 0, which resolves it for the world it has."""
@@ -77,7 +79,7 @@ def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
     cfg.check_trainable()
     for world in sorted(set(worlds)):
         try:
-            cfg.dims(world)
+            cfg.dims(world, device)
         except ConfigError as exc:
             if len(set(worlds)) == 1:
                 raise
@@ -86,10 +88,10 @@ def check_worlds(cfg: JobConfig, worlds: list[int]) -> None:
             ) from None
 
 
-def validate_for_worlds(cfg: JobConfig, worlds: list[int]) -> None:
+def validate_for_worlds(cfg: JobConfig, worlds: list[int], device: str | None = None) -> None:
     check_data(cfg)
     check_model(cfg)
-    check_worlds(cfg, worlds)
+    check_worlds(cfg, worlds, device)
 
 
 @dataclass
@@ -120,6 +122,7 @@ def prepare_job(
     config_file: Path | None = None,
     lock: Callable[[Path], Any] | None = None,
     fresh: bool = False,
+    workers_here: bool = False,
 ) -> PreparedJob:
     """Load, resolve and validate the job; create the run directory; write the config the
     workers read.
@@ -133,17 +136,23 @@ def prepare_job(
     A run directory that holds a run already is decided first (launch/rundir.py): a
     run with nothing to train writes nothing and returns `finished`; another model, or
     a folder that is not a meshforge run, is refused; `fresh` removes the earlier run
-    once the directory is held."""
+    once the directory is held.
+
+    `workers_here`: this node runs the workers (`meshforge train`), so the device they
+    will use is known here (plan/jobs/auto.py's launch_device) and the layout rules that
+    need it (parallel.cp_method=ring: CUDA) refuse before any starts; a submission's
+    host may not be the workers', whose own check then refuses."""
     cfg = load_config(config_path, overrides)
     worlds = [n * nproc_per_node for n in range(max_nodes, min_nodes - 1, -1)]
     world = worlds[0] if min_nodes == max_nodes else None
     auto_line = None
     if max_nodes == 1:
         cfg, auto_line = resolve_parallel_auto(cfg, nproc_per_node, nproc_per_node, 1)
+    device = launch_device(cfg)[0] if workers_here else None
     if world is not None and cfg.parallel != "auto":
-        validate_job(cfg, world)
+        validate_job(cfg, world, device)
     else:
-        validate_for_worlds(cfg, worlds)
+        validate_for_worlds(cfg, worlds, device)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
     decision = check_earlier_run(cfg, run_dir, fresh)
     history_line = decision.note

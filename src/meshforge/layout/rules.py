@@ -82,6 +82,8 @@ JOB_NAMES = Names(
         "global_batch": "train.global_batch",
         "micro_batch": "train.micro_batch",
         "document_masking": "data.document_masking",
+        "device": "runtime.device",
+        "dropout": "model.dropout",
     }
 )
 
@@ -102,6 +104,7 @@ class ModelShape:
     factory: str | None = None
     tp_plan: bool = False
     experts: int = 0  # a mixture-of-experts model's routed experts per layer (0: dense)
+    dropout: float = 0.0  # gpt's (attention dropout among them)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class LayoutRequest:
     global_batch: int | None = None
     micro_batch: int | None = None
     document_masking: bool = False  # attention kept inside each packed document
+    # the workers' device type, "cpu" or "cuda"; None: not known yet (runtime.device:
+    # auto before a launch decides), and the rules that need it wait for it
+    device: str | None = None
 
 
 def check(
@@ -400,10 +406,7 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
     if cp == 1:  # no attention method applies
         return out
     if req.cp_method == "ring":
-        out.append(
-            f"{n.show('cp_method', 'ring')} runs on CUDA devices only and is not yet built "
-            f"here; use {n.show('cp_method', 'allgather')}"
-        )
+        out += _ring_rules(req, shape, n)
     elif req.cp_method not in ("allgather", "alltoall"):
         out.append(
             f"{n.name('cp_method')} must be one of allgather, ring, alltoall, got {req.cp_method!r}"
@@ -447,6 +450,29 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
         )
     if req.compile:
         out.append(f"{n.show('compile', True)} is not yet supported with {n.show('cp', cp)}")
+    return out
+
+
+def _ring_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]:
+    """Ring attention (parallel/context_parallel.py, RingAttend): on CUDA devices (its
+    flash kernels; the CPU runs its tests, not users' jobs), plain causal attention."""
+    out = []
+    use = f"use {n.show('cp_method', 'allgather')} or alltoall"
+    if req.device is not None and req.device != "cuda":
+        out.append(
+            f"{n.show('cp_method', 'ring')} needs CUDA devices, and this job's workers "
+            f"would run on {req.device} ({n.name('device')}); {use}"
+        )
+    if req.document_masking:
+        out.append(
+            f"{n.show('cp_method', 'ring')} with {n.show('document_masking', True)} is not "
+            f"yet built; {use}"
+        )
+    if shape.dropout:
+        out.append(
+            f"{n.show('cp_method', 'ring')} with {n.show('dropout', shape.dropout)} is not "
+            f"built (attention dropout); {use}"
+        )
     return out
 
 

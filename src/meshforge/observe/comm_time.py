@@ -6,7 +6,10 @@ and `wait_tensor`, where the step blocks until one completes); data parallel (DD
 FSDP) calls the process group directly (`c10d::...`). So the functional ops of one
 profiled step are its TP communication: the CPU time spent in them (launch plus
 waiting), or on a GPU the device time of the kernels they launched, whichever is
-larger. Profiling costs time, so the trainer samples one step per run.
+larger. Ring attention (parallel.cp_method=ring) exchanges K and V point to point,
+under profiler ranges named `cp_ring::...` (parallel/context_parallel.py,
+RingAttend.rotate): those count too. Profiling costs time, so the trainer samples one
+step per run.
 """
 
 from __future__ import annotations
@@ -22,16 +25,18 @@ from torch.profiler import ProfilerActivity, profile
 
 T = TypeVar("T")
 _FUNCTIONAL = "_c10d_functional::"
+_COUNTED = (_FUNCTIONAL, "cp_ring::")  # RingAttend.rotate's ranges
 
 
 def functional_collective_s(events: Any) -> float:
-    """Seconds in top-level functional-collective ops among profiler `events`."""
+    """Seconds in top-level functional-collective ops (and ring attention's exchanges)
+    among profiler `events`."""
     total_us = 0.0
     for ev in events:
-        if not ev.name.startswith(_FUNCTIONAL):
+        if not ev.name.startswith(_COUNTED):
             continue
         parent = ev.cpu_parent
-        if parent is not None and parent.name.startswith(_FUNCTIONAL):
+        if parent is not None and parent.name.startswith(_COUNTED):
             continue  # counted with its parent
         device_us = getattr(ev, "device_time_total", 0.0) or 0.0
         total_us += max(ev.cpu_time_total, device_us)

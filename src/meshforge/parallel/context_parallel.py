@@ -53,19 +53,39 @@ else they are repeated first. A rank holds whole heads, so the layout rules ask 
 divide the heads of a tensor-parallel rank (model.n_heads / parallel.tp). Each layer
 moves q, k, v and the output once, forward and backward, whatever cp; a rank saves
 its heads' share of the whole sequence's attention inputs.
-`ring` (CUDA only) is refused by the layout rules.
+
+Attention, `parallel.cp_method: ring` (ring attention, `RingAttend`): no collective;
+each rank's K and V (its two chunks, grouped-query heads unrepeated) go round the cp
+ranks, each rank sending to rank + 1 and receiving from rank - 1
+(`dist.batch_isend_irecv`, in `RingAttend.rotate`), cp - 1 times a layer. Each
+exchange is posted before the rank attends the block it holds, so the transfer
+overlaps the compute. This rank's query chunks attend a visiting rank's key chunks by chunk index:
+in full where the key chunk comes first, causally where it is the same chunk, not at
+all after; each pair one flash-attention call, merged by log-sum-exp as
+`_CausalBlocks` merges (`_RingBlocks`). Backward sends K and V round again, and behind
+them float32 accumulators of their gradients, to which every rank adds its queries'
+share; after cp sends each rank's accumulator is back with it; dq never moves. A
+rank saves for backward only its own q, K, V, output and log-sum-exp, and holds two
+blocks of K and V at a time (the one it attends, the one arriving), never the whole
+sequence's. Plain causal attention only: document masking and attention dropout are
+refused (layout rules). The kernels are picked by device (`_Flash`): aten's flash
+kernel for CPU (what the tests run, the cp ranks as threads and over gloo) or, on
+CUDA, the flash kernel (fp16/bf16) or the memory-efficient one (fp32), untested here.
+Users get ring on CUDA devices only: the layout rules refuse it elsewhere.
 
 Gradients. Every cp rank computes the gradient of its own loss, plus (through the
-reduce-scatter) what the other ranks' losses owe its keys and values; summed over
-the cp ranks that is cp times the gradient of their mean loss, so averaging over
-the dp x cp ranks ("dp_cp", parallel/mesh.py) gives world 1's gradient. The data-
-parallel wrappers (DDP, FSDP2, replicate) run over "dp_cp" for that reason.
+reduce-scatter, the reverse all-to-all or ring's accumulators) what the other ranks'
+losses owe its keys and values; summed over the cp ranks that is cp times the
+gradient of their mean loss, so averaging over the dp x cp ranks ("dp_cp",
+parallel/mesh.py) gives world 1's gradient. The data-parallel wrappers (DDP, FSDP2,
+replicate) run over "dp_cp" for that reason.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -393,6 +413,221 @@ class _CausalBlocks(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class RingAttend:
+    """`parallel.cp_method: ring` (ring attention): an attention module's attend
+    (models/attention.py) that passes this rank's keys and values around the cp ranks,
+    one neighbour to the next, while it attends each visiting rank's block (module
+    docstring; `_RingBlocks`). Plain causal attention only: with document masking or
+    attention dropout it refuses (the layout rules refuse document masking first).
+    The exchange is one method, `rotate`, so that tests can substitute it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        docs: Documents | None = None,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
+        if not isinstance(docs, ContextDocuments):
+            raise RuntimeError(
+                "context-parallel attention needs the ContextDocuments of "
+                "ContextSplit.shard (the queries' positions)"
+            )
+        if docs.mask is not None:  # the layout rules refuse this first
+            raise ValueError(
+                "cp_method ring: document masking is not yet built; use allgather or alltoall"
+            )
+        if dropout_p:
+            raise ValueError(
+                f"cp_method ring: attention dropout ({dropout_p}) is not built; use "
+                "allgather or alltoall, or model.dropout=0"
+            )
+        return _RingBlocks.apply(q, k, v, docs.rank, docs.size, self)
+
+    def rotate(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """Start sending `tensors` to the next cp rank (rank + 1, around the ring) and
+        receiving the previous rank's (rank - 1) in their place, in one
+        `batch_isend_irecv`; returns the wait, which hands back the received tensors
+        (same shapes and dtypes). Not differentiable: `_RingBlocks` rotates gradients
+        itself. The posting and the wait run under profiler ranges named `cp_ring::...`,
+        which the trainer's exposed-communication profile counts (observe/comm_time.py)
+        as it counts the other methods' functional collectives."""
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        dst = dist.get_global_rank(self.group, (rank + 1) % cp)
+        src = dist.get_global_rank(self.group, (rank - 1) % cp)
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), dst, self.group, tag=i)
+               for i, t in enumerate(tensors)]  # fmt: skip
+        ops += [dist.P2POp(dist.irecv, g, src, self.group, tag=i) for i, g in enumerate(got)]
+        with torch.profiler.record_function("cp_ring::exchange"):
+            requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[torch.Tensor]:
+            with torch.profiler.record_function("cp_ring::wait"):
+                for request in requests:
+                    request.wait()
+            return got
+
+        return wait
+
+
+class _Flash:
+    """One flash-attention block, forward (output and log-sum-exp, float32 (b, h, s))
+    and backward (given the merged output and log-sum-exp), by device: on CPU aten's
+    flash kernel for CPU (what `_CausalBlocks` uses, tested here)."""
+
+    @staticmethod
+    def of(device: torch.device) -> type[_Flash]:
+        return _CudaFlash if device.type == "cuda" else _Flash
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+
+    @staticmethod
+    def backward(g, q, k, v, out, lse, causal: bool, scale: float):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+
+
+class _CudaFlash(_Flash):
+    """`_Flash` on CUDA devices: aten's flash kernel for fp16/bf16, its memory-efficient
+    kernel for fp32 (whose log-sum-exp is padded to a multiple of 32). UNTESTED HERE (no
+    GPU on the machines that built it): scripts/gpu_check.sh runs the ring unit tests on
+    a GPU. No dropout, so the kernels' random state is never read."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+        else:
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale
+            )
+        return out, lse[..., : q.shape[2]].float()
+
+    @staticmethod
+    def backward(g, q, k, v, out, lse, causal: bool, scale: float):
+        empty = torch.empty(0, dtype=torch.uint64, device=q.device)  # dropout's, unread
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                g, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+                causal, empty, empty, scale=scale,
+            )  # fmt: skip
+        padded = F.pad(lse, (0, -q.shape[2] % 32)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out, padded, empty, empty, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+
+
+def _ring_pairs(rank: int, src: int, cp: int) -> list[tuple[int, int, bool]]:
+    """(this rank's query chunk n, the visiting rank `src`'s key chunk m, causal) for the
+    blocks that attend: chunk indices (rank, 2cp-1-rank) against (src, 2cp-1-src), in
+    full where the key chunk comes before the query chunk, causally where it is the
+    same one, not at all after."""
+    pairs = []
+    for n, i in enumerate((rank, 2 * cp - 1 - rank)):
+        for m, j in enumerate((src, 2 * cp - 1 - src)):
+            if j <= i:
+                pairs.append((n, m, j == i))
+    return pairs
+
+
+class _RingBlocks(torch.autograd.Function):
+    """Ring attention of this cp rank's two chunks (module docstring). Forward: cp steps;
+    at step t this rank holds the keys and values of cp rank (rank - t) % cp (its own at
+    step 0), and posts the next rotation (`RingAttend.rotate`) before it attends the
+    block it holds, so that the transfer overlaps the compute; its query chunks attend
+    the visiting key chunks by chunk index (`_ring_pairs`), each pair one flash call
+    (`_Flash`), merged by their log-sum-exps as in `_CausalBlocks`. Backward: the keys
+    and values go round again, and behind them accumulators of their gradients (float32)
+    to which each rank adds its queries' share; after cp rotations each rank's own
+    accumulator is back with it. dq stays here. Grouped-query heads travel unrepeated
+    and are repeated for each block. Memory: q, this rank's K and V, the output and the
+    log-sum-exp (and, while it runs, one visiting block and the one arriving)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rank: int, cp: int, ring: RingAttend):  # type: ignore[override]
+        c = q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        flash = _Flash.of(q.device)
+        kv = torch.stack((k, v))  # one message of (2, b, kv_heads, S/cp, d)
+        out: list[torch.Tensor | None] = [None, None]
+        lse: list[torch.Tensor | None] = [None, None]
+        for step in range(cp):
+            wait = ring.rotate([kv]) if step < cp - 1 else None
+            src = (rank - step) % cp
+            kr, vr = repeat_kv(q, kv[0]), repeat_kv(q, kv[1])
+            for n, m, causal in _ring_pairs(rank, src, cp):
+                rows, keys = slice(n * c, (n + 1) * c), slice(m * c, (m + 1) * c)
+                block, block_lse = flash.forward(
+                    q[:, :, rows], kr[:, :, keys], vr[:, :, keys], causal, scale
+                )
+                block = block.float()
+                if out[n] is None:
+                    out[n], lse[n] = block, block_lse
+                else:  # merge by log-sum-exp
+                    new = torch.logaddexp(lse[n], block_lse)  # type: ignore[arg-type]
+                    out[n] = (out[n] * (lse[n] - new).exp()[..., None]  # type: ignore[operator]
+                              + block * (block_lse - new).exp()[..., None])  # fmt: skip
+                    lse[n] = new
+            if wait is not None:
+                (kv,) = wait()
+        merged = torch.cat(out, dim=2).to(q.dtype)  # type: ignore[arg-type]
+        merged_lse = torch.cat(lse, dim=2)  # type: ignore[arg-type]
+        ctx.save_for_backward(q, k, v, merged, merged_lse)
+        ctx.rank, ctx.cp, ctx.scale, ctx.ring = rank, cp, scale, ring
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        rank, cp, ring = ctx.rank, ctx.cp, ctx.ring
+        grad = grad.contiguous()
+        c = q.shape[2] // 2
+        flash = _Flash.of(q.device)
+        b, kv_heads, s, d = k.shape
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        arriving = None  # the wait for the gradient accumulator the previous rank sent
+        for step in range(cp):
+            wait_kv = ring.rotate([kv]) if step < cp - 1 else None
+            src = (rank - step) % cp
+            kr, vr = repeat_kv(q, kv[0]), repeat_kv(q, kv[1])
+            dkv = torch.zeros((2, b, q.shape[1], s, d), dtype=torch.float32, device=q.device)
+            for n, m, causal in _ring_pairs(rank, src, cp):
+                rows, keys = slice(n * c, (n + 1) * c), slice(m * c, (m + 1) * c)
+                gq, gk, gv = flash.backward(
+                    grad[:, :, rows], q[:, :, rows], kr[:, :, keys], vr[:, :, keys],
+                    out[:, :, rows], lse[:, :, rows].contiguous(), causal, ctx.scale,
+                )  # fmt: skip
+                dq[:, :, rows] += gq
+                dkv[0, :, :, keys] += gk
+                dkv[1, :, :, keys] += gv
+            if dkv.shape[2] != kv_heads:  # each key/value head served a group of query heads
+                dkv = dkv.view(2, b, kv_heads, -1, s, d).sum(3)
+            if arriving is not None:  # src's accumulator, from the ranks before this one
+                (so_far,) = arriving()
+                dkv += so_far
+            arriving = ring.rotate([dkv])  # on to the next rank
+            if wait_kv is not None:
+                (kv,) = wait_kv()
+        (dkv,) = arriving()  # type: ignore[misc]  # after cp rotations: this rank's own
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
 def attention_modules(module: nn.Module) -> list[nn.Module]:
     """The modules of `module` that compute attention through models.attention.attend
     (the models' `attend` attribute)."""
@@ -402,7 +637,7 @@ def attention_modules(module: nn.Module) -> list[nn.Module]:
 def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, method: str) -> None:
     """Give every attention module of `module` the context-parallel attend of `method`
     over `cp_mesh` (in place; nothing is communicated)."""
-    methods = {"allgather": AllGatherAttend, "alltoall": AllToAllAttend}
+    methods = {"allgather": AllGatherAttend, "alltoall": AllToAllAttend, "ring": RingAttend}
     if method not in methods:  # the layout rules refuse the others first
         raise ValueError(f"parallel.cp_method={method} is not built")
     layers = attention_modules(module)

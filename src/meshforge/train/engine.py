@@ -33,7 +33,7 @@ class Engine:
     def build(cls, cfg: JobConfig, rank: int, world_size: int, device: torch.device) -> Engine:
         """Collective: every rank builds its engine at the same time. The default
         process group must be initialised."""
-        dims = cfg.dims(world_size)
+        dims = cfg.dims(world_size, device.type)
         if dims.parameter_server:
             return ParameterServerEngine.build_ps(cfg, dims, rank, device)
         mesh = build_mesh(dims, device)

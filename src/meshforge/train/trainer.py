@@ -69,7 +69,7 @@ class Trainer:
         cfg.check_trainable()
         self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
         self.device = rt.device
-        self.dims = cfg.dims(rt.world_size)
+        self.dims = cfg.dims(rt.world_size, rt.device.type)
         t = cfg.train
 
         torch.manual_seed(t.seed)  # identical random streams (dropout) on every rank
