@@ -3,7 +3,8 @@
 # Trains a ~124M-parameter GPT in bf16 for 100 steps (fused AdamW, SDPA flash
 # attention) with meshforge's own trainer and prints tokens/s and MFU; then the
 # same with torch.compile; then a small mixture of experts in bf16 (grouped GEMM);
-# then document masking through FlexAttention against the explicit mask. Output: stdout, and OUT_DIR/gpu_check.txt.
+# then document masking through FlexAttention against the explicit mask; then cp's
+# ring attention kernels. Output: stdout, and OUT_DIR/gpu_check.txt.
 #   scripts/gpu_check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,5 +83,12 @@ print(f"RESULT flex device={dev} max_abs_diff={diff:.2e} grad_max_abs_diff={gdif
 PYEOF
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_flex_document_masking.py \
     || echo "flex unit tests failed: $?"
+  # context parallelism's ring attention with CUDA kernels (flash in bf16, memory-efficient
+  # in fp32), the cp ranks as threads on the one GPU (NCCL cannot run two ranks on one
+  # GPU: the real exchange needs two), against world 1's attention
+  echo "-- cp ring attention: CUDA kernels"
+  OMP_NUM_THREADS=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs \
+    tests/unit/test_context_split.py -k "cuda_device or cuda_kernels or ring" \
+    || echo "ring unit tests failed: $?"
 } 2>&1 | tee "$log"
 rm -rf "$RUNS"

@@ -191,8 +191,8 @@ class JobPlan:
     """A job as the planner sees it: its model shape, its training, and the layout
     fields it gives (None in `choice`: searched). `trainer_cp`: the layouts it checks
     carry cp and cp_method to the trainer's rules (`meshforge plan --config`: the
-    trainer builds context parallelism, and refuses it with a pipeline, experts,
-    compile, a user's model, the ring and all-to-all methods it has not built); False
+    trainer builds context parallelism, and refuses it with experts, compile, a
+    user's model, ring on CPU workers, Ulysses over heads cp does not divide); False
     (`plan --model`, which plans a cp run for any trainer): the rules see the dp x cp
     ranks as data parallel."""
 
