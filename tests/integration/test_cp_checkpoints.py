@@ -10,7 +10,7 @@ import json
 import pytest
 from test_context_parallel import cp_job
 
-from helpers import Job
+from helpers import Job, assert_one_line_error
 from layouts import train_layout
 
 STEPS = 20
@@ -81,3 +81,37 @@ def test_a_run_killed_under_cp2_resumes_at_world_1_on_the_uninterrupted_curve(tm
         assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got, expected)
     for step in range(1, 5):  # the cp2 steps before the kill: world 1's too
         assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+
+
+# -- a run trained at a short context goes on at a longer one --------------------------------
+LLAMA_JOB = {
+    "model": {"name": "llama", "vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 4,
+              "n_kv_heads": 2, "ffn_hidden": 64, "seq_len": 32},
+    "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "warmup": 1},
+    "checkpoint": {"every": 4, "keep": 2},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_llama_run_goes_on_at_a_longer_context_and_a_gpt_run_is_refused(tmp_path):
+    """Long-context training in stages: a rotary model resumes at another model.seq_len
+    (no weight is sized by it), here under cp2; the GPT, whose learned positions are,
+    is refused in one line with nothing written."""
+    job = Job(tmp_path, LLAMA_JOB, name="llama")
+    job.train(1)
+    longer = job.train(
+        2, "--set", "model.seq_len=64", "--set", "train.steps=6", "--set", "parallel.cp=2"
+    )
+    assert "model.seq_len 32 -> 64" in longer.stdout + longer.stderr
+    report = job.report
+    assert report["resumed_from"] == 4 and report["layout"]["cp"] == 2
+    assert sorted(job.losses()) == list(range(1, 7))
+    config = (job.run_dir / "config.yaml").read_text()
+    assert "seq_len: 64" in config
+
+    gpt = Job(tmp_path, {"train": {"steps": 4}, "checkpoint": {"every": 4}}, name="gpt")
+    gpt.train(1)
+    before = sorted(p.name for p in gpt.run_dir.rglob("*"))
+    refused = gpt.train(1, "--set", "model.seq_len=64", "--set", "train.steps=6", check=False)
+    assert_one_line_error(refused, "another model", "model.seq_len 32 -> 64")
+    assert sorted(p.name for p in gpt.run_dir.rglob("*")) == before

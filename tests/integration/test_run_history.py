@@ -401,8 +401,10 @@ def test_a_folder_that_is_not_a_meshforge_run_is_refused_unless_fresh(tmp_path, 
         check_earlier_run(cfg, foreign, fresh=False)
     assert check_earlier_run(cfg, foreign, fresh=True).finished is None
     (foreign / "config.yaml").unlink()  # metrics without a config: not ours either
-    with pytest.raises(ConfigError, match="metrics.jsonl but no config.yaml"):
+    with pytest.raises(ConfigError, match="metrics.jsonl but no config.yaml") as refused:
         check_earlier_run(cfg, foreign, fresh=False)
+    # no record of what a run wrote there: --fresh would refuse too, so is not offered
+    assert "--fresh" not in str(refused.value)
     # an empty folder, one with files of other kinds or an empty metrics.jsonl (nothing
     # to lose), one that does not exist: new runs
     for name in ("empty", "notes", "no-rows", "absent"):

@@ -14,7 +14,9 @@ config.yaml; never report.json alone, which may be missing or stale) and decided
 - `--fresh`: what meshforge wrote there is removed, under the run lock, and a new run
   starts (rundir/files.py `remove_earlier_run`, one line says what went and what stayed);
 - another model (any `model.*` field differs from the run's config.yaml): refused,
-  exit 2, one line naming the fields; the checkpoints could not load into it;
+  exit 2, one line naming the fields; the checkpoints could not load into it. Except
+  `model.seq_len` of a Llama (rotary positions, no weight sized by it): the run goes on
+  at the new length, and a line says so;
 - nothing to train (its newest checkpoint is at or past `train.steps`: a finished run,
   or one stopped past a smaller `train.steps`): one line says the step the run reached,
   where its results are and how to extend it or start over; nothing is written and the
@@ -45,6 +47,7 @@ from typing import Any
 from meshforge.config import JobConfig, ModelConfig
 from meshforge.errors import ConfigError
 from meshforge.rundir.files import EarlierRun, earlier_run, is_job_config
+from meshforge.rundir.outputs import recorded_outputs
 from meshforge.rundir.report import REPORT_FILE, REPORT_TMP, report_path
 from meshforge.rundir.segments import SEGMENTS_FILE
 from meshforge.runtime import runlock
@@ -136,6 +139,9 @@ def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> Decision:
         return Decision(warning=warmup_warning(cfg, cfg.train.steps))
     check_is_a_run(earlier)
     changed = model_changes(earlier.config, cfg)
+    longer = _context_change(changed, cfg)
+    if longer is not None:
+        changed.remove(longer)
     if changed:
         raise ConfigError(
             f"run directory {run_dir} holds a run of another model (the run's -> this "
@@ -154,9 +160,28 @@ def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> Decision:
         note = f"meshforge: extending the finished run {span}"
     elif t.steps > horizon:
         note = f"meshforge: resuming the run {span}"
-    else:
+    elif longer is None:
         return Decision(warning=warning)  # the workers say they resumed
+    else:
+        note = f"meshforge: resuming the run {span}"
+    if longer is not None:
+        note += (
+            f" at another sequence length ({longer}): rotary positions, so the weights "
+            "do not depend on it; the data windows are cut at the new length"
+        )
     return Decision(note=note + lr_past_horizon(cfg, horizon), warning=warning)
+
+
+def _context_change(changed: list[str], cfg: JobConfig) -> str | None:
+    """The `model.seq_len` change among `changed` when the model can take it: meshforge's
+    Llama (rotary positions: no weight is sized by the sequence; a run trained at short
+    context goes on at a long one, as long-context training does in stages). The GPT's
+    learned position table is sized by it, and a user's model is unknown: for those it
+    stays a change of model."""
+    change = next((c for c in changed if c.startswith("model.seq_len ")), None)
+    if change is None or cfg.model.name != "llama":
+        return None
+    return change
 
 
 def check_is_a_run(earlier: EarlierRun) -> None:
@@ -178,6 +203,8 @@ def check_is_a_run(earlier: EarlierRun) -> None:
         if not found:
             return
         has = f"{' and '.join(found)} but no config.yaml"
+        if not recorded_outputs(run_dir):  # --fresh removes only what a run wrote
+            fresh = ""
     else:
         return
     raise ConfigError(
