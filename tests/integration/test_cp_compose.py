@@ -11,12 +11,14 @@ from test_context_parallel import STEPS, _assert_matches, _reference, cp_job, tr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-def test_pp2_x_cp2_matches_world_1_step_by_step(gloo, model):
+@pytest.mark.parametrize(
+    ("model", "method"), [("gpt", "allgather"), ("llama", "allgather"), ("llama", "alltoall")]
+)
+def test_pp2_x_cp2_matches_world_1_step_by_step(gloo, model, method):
     ref = _reference(gloo, model)
-    results = gloo.run(4, train_cp, cp_job(model, {"cp": 2, "pp": 2}), STEPS)
+    results = gloo.run(4, train_cp, cp_job(model, {"cp": 2, "pp": 2, "cp_method": method}), STEPS)
     assert results[0]["layout"]["cp"] == 2 and results[0]["layout"]["pp"] == 2
-    _assert_matches(results, ref, f"{model} pp2xcp2")
+    _assert_matches(results, ref, f"{model} pp2xcp2 {method}")
 
 
 @pytest.mark.slow

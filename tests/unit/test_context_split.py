@@ -631,3 +631,45 @@ def test_cp_ranks_as_threads_give_world_1s_loss_and_gradients(model, masking, me
     for name, p in ref_model.named_parameters():
         mean_grad = sum(results[r][1][name] for r in range(cp)) / cp
         torch.testing.assert_close(mean_grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_under_cp_each_packed_token_has_the_loss_of_its_document_alone(model, method):
+    """Two documents packed into one sequence of 16 tokens, split over cp2 ranks (the
+    separator falls inside a chunk, so each rank holds tokens of both): every token's
+    loss equals the one it has when its document runs alone, at world 1 (1e-5)."""
+    import torch.nn.functional as F
+
+    cp = 2
+    build = _models()[model]
+    doc_a = torch.tensor([1, 2, 3, 4, 5, 6])
+    doc_b = torch.tensor([7, 8, 2, 1, 3, 5, 4, 6, 2, 1])
+    packed = torch.cat([doc_a, torch.tensor([EOT]), doc_b]).view(1, -1)  # 17 ids
+    x, y = packed[:, :-1], packed[:, 1:]
+    torch.manual_seed(0)
+    ref = build().eval()
+
+    def token_losses(m, idx):
+        with torch.no_grad():
+            return F.cross_entropy(m(idx[:, :-1]).flatten(0, 1), idx[0, 1:], reduction="none")
+
+    want_a = token_losses(ref, torch.cat([doc_a, torch.tensor([EOT])]).view(1, -1))
+    want_b = token_losses(ref, doc_b.view(1, -1))
+    got = torch.full((x.shape[1],), float("nan"))
+
+    def rank_main(rank: int, group: _ThreadGroup) -> None:
+        torch.manual_seed(0)
+        m = build().eval()
+        for layer in attention_modules(m):
+            layer.attend = _threaded_attend(group, rank, method)
+        xs, ys, d = ContextSplit(rank, cp).shard(x, y, EOT)
+        with torch.no_grad():
+            losses = F.cross_entropy(m(xs, docs=d).flatten(0, 1), ys[0], reduction="none")
+        got[chunk_positions(x.shape[1], cp, rank)] = losses
+
+    _run_threads(cp, rank_main)
+    n_a = len(doc_a)  # targets doc_a[1:] and the separator: one per token of doc_a
+    torch.testing.assert_close(got[:n_a], want_a, rtol=0, atol=1e-5)
+    # the separator predicts doc_b's first token: no document-alone counterpart
+    torch.testing.assert_close(got[n_a + 1 :], want_b, rtol=0, atol=1e-5)
