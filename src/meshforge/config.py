@@ -236,6 +236,7 @@ class ModelConfig(_Section):
             seq_len=self.seq_len,
             tie_embeddings=self.tie_embeddings,
             experts=self.moe.experts if self.moe is not None else 0,
+            capacity_factor=self.moe.capacity_factor if self.moe is not None else None,
             dropout=self.dropout,
         )
 

@@ -190,8 +190,8 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
         (LayoutRequest(cp=2, compile=True), SHAPE, ["train.compile=true", "parallel.cp=2"]),
         (
             LayoutRequest(cp=2),
-            ModelShape(**{**SHAPE.__dict__, "experts": 4}),
-            ["parallel.cp=2 with a mixture-of-experts model"],
+            ModelShape(**{**SHAPE.__dict__, "experts": 4, "capacity_factor": 1.25}),
+            ["parallel.cp=2 with model.moe.capacity_factor=1.25 is not yet supported"],
         ),
         (LayoutRequest(cp=2), ModelShape(factory="m:f"), ["parallel.cp=2 needs meshforge's"]),
     ],
@@ -204,7 +204,7 @@ def test_cp_is_a_mesh_dimension_of_its_own_between_dp_and_tp():
         "alltoall-heads",
         "parameter-server",
         "compile",
-        "moe",
+        "moe-capacity",
         "factory",
     ],
 )
@@ -218,6 +218,12 @@ def test_ring_is_accepted_on_cuda_and_until_the_device_is_known(device):
     # unlike alltoall, cp need not divide a tensor-parallel rank's heads (4 / 2)
     req = LayoutRequest(cp=4, tp=2, pp=2, cp_method="ring", device=device)
     assert check(req, ModelShape(**{**SHAPE.__dict__, "kv_heads": 2}), JOB_NAMES) == []
+
+
+def test_cp_with_a_dropless_mixture_of_experts_is_accepted_with_and_without_ep():
+    moe = ModelShape(**{**SHAPE.__dict__, "experts": 4})
+    for req, world in ((LayoutRequest(cp=2), 2), (LayoutRequest(cp=2, ep=2, zero=3), 4)):
+        assert check(req, moe, JOB_NAMES, world_size=world) == [], req
 
 
 def test_cp_under_a_pipeline_is_accepted():

@@ -1,7 +1,7 @@
 """`meshforge plan --config` plans a job with context parallelism (parallel.cp, or --cp
 and --cp-method over a job): a rank's activations divided by cp, the K/V exchange in
 the step, cp searched at long sequences among the layouts the trainer builds, and what
-the trainer refuses (cp with experts, compile, the method it has not built, heads
+the trainer refuses (cp with experts' capacity factor, compile, the method it has not built, heads
 Ulysses cannot split) refused in one line. `predict_for_job` (report.json's `predicted`) on a CPU
 host adds the exchange and reduces gradients over the dp x cp ranks."""
 
@@ -105,8 +105,9 @@ def test_a_long_job_searches_cp_among_what_the_trainer_builds(meshforge, tmp_pat
          "--gpus", "2"], ("parallel.cp_method=ring needs CUDA devices",)),
         ({"dp": 1, "cp": 4, "cp_method": "alltoall"}, {"n_heads": 2, "n_kv_heads": 1},
          ["--gpus", "4"], ("alltoall", "2", "4")),
-        ({"dp": 1, "cp": 2}, {"moe": {"experts": 4, "top_k": 2, "expert_ffn": 32}},
-         ["--gpus", "2"], ("parallel.cp=2", "mixture-of-experts")),
+        ({"dp": 1, "cp": 2}, {"moe": {"experts": 4, "top_k": 2, "expert_ffn": 32,
+                                       "capacity_factor": 1.25}},
+         ["--gpus", "2"], ("parallel.cp=2", "model.moe.capacity_factor=1.25")),
         ({"dp": 1, "cp": 2}, {}, ["--set", "train.compile=true", "--gpus", "2"],
          ("train.compile=true", "parallel.cp=2")),
         ({"dp": 1, "cp": 2}, {"seq_len": 1030}, ["--gpus", "2"],
@@ -114,7 +115,7 @@ def test_a_long_job_searches_cp_among_what_the_trainer_builds(meshforge, tmp_pat
         ("auto", {}, ["--cp", "2", "--gpus", "2"], ("parallel: auto", "context")),
         ({"dp": 1, "cp": 2}, {}, ["--cp", "4", "--gpus", "2"], ("cp=4", "--gpus 2")),
     ],
-    ids=["alltoall-flag", "ring-flag", "alltoall-job", "moe", "compile", "seq",
+    ids=["alltoall-flag", "ring-flag", "alltoall-job", "moe-capacity", "compile", "seq",
          "auto", "cp-gpus"],
 )  # fmt: skip
 def test_what_the_trainer_refuses_is_refused_in_one_line(

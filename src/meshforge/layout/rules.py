@@ -62,6 +62,7 @@ JOB_NAMES = Names(
         "cp": "parallel.cp",
         "cp_method": "parallel.cp_method",
         "experts": "model.moe.experts",
+        "capacity_factor": "model.moe.capacity_factor",
         "zero": "parallel.zero",
         "sequence_parallel": "parallel.sequence_parallel",
         "pp_schedule": "parallel.pp_schedule",
@@ -104,6 +105,7 @@ class ModelShape:
     factory: str | None = None
     tp_plan: bool = False
     experts: int = 0  # a mixture-of-experts model's routed experts per layer (0: dense)
+    capacity_factor: float | None = None  # its experts' (None: dropless)
     dropout: float = 0.0  # gpt's (attention dropout among them)
 
 
@@ -400,8 +402,9 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
     """Context parallelism: every sequence cut into 2 x cp chunks (two per rank, head
     and tail, for balanced causal work), attention by all-gathering keys and values
     (allgather) or by trading heads for sequence (alltoall, which needs cp to divide
-    the heads of a tensor-parallel rank), on meshforge's models, beside the layouts it
-    is known to compose with."""
+    the heads of a tensor-parallel rank), on meshforge's models (a mixture of experts
+    dropless: its auxiliary loss and load are summed over the cp ranks), beside the
+    layouts it is known to compose with."""
     cp, out = req.cp, []
     if cp == 1:  # no attention method applies
         return out
@@ -443,10 +446,11 @@ def _context_rules(req: LayoutRequest, shape: ModelShape, n: Names) -> list[str]
             f"{n.show('cp', cp)} with {n.show('mode', 'parameter_server')} is not supported "
             "(a parameter server's workers train whole sequences)"
         )
-    if shape.experts:
+    if shape.experts and shape.capacity_factor is not None:
         out.append(
-            f"{n.show('cp', cp)} with a mixture-of-experts model is not yet supported "
-            "(its router balances over whole sequences)"
+            f"{n.show('cp', cp)} with {n.show('capacity_factor', shape.capacity_factor)} is "
+            "not yet supported (experts drop tokens in the order of the whole sequence); "
+            f"leave {n.name('capacity_factor')} unset (dropless)"
         )
     if req.compile:
         out.append(f"{n.show('compile', True)} is not yet supported with {n.show('cp', cp)}")

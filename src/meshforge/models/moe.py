@@ -29,13 +29,21 @@ auxiliary-loss-free bias, moved after each step by `update_bias` from the step's
 Each training forward adds its routing counts to `load` (tokens routed to each
 expert, before any drop), `dropped` and `aux_sum`; the trainer takes them with
 `take_stats`.
+
+A layer whose micro-batch is spread over several ranks (context parallelism: each
+holds some tokens of every sequence) is handed `sequence_sum` (parallel code installs
+it; the model never learns how it is spread): the sum of a tensor over those ranks,
+with autograd. The auxiliary loss then reads the whole micro-batch's f_e and P_e (the
+per-expert assignment counts and score sums, summed over them), as one rank holding
+every token would; `load`, `dropped` stay this rank's tokens' own (the trainer sums
+them over the ranks), `aux_sum` the whole micro-batch's value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +190,9 @@ class MoE(nn.Module):
         self.dropped: torch.Tensor | None = None
         self.aux_sum: torch.Tensor | None = None
         self.forwards = 0
+        # the sum over the ranks holding the other tokens of this rank's micro-batch,
+        # with autograd (module docstring); None: this rank holds all of them
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def reset_buffers(self) -> None:
         if self.expert_bias is not None:
@@ -228,14 +239,26 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         aux = None
         if a.load_balance == "aux_loss":
-            share = routed.float() / (n_tokens * a.top_k)
-            aux = a.experts * (share * probs.mean(dim=0)).sum()
+            aux = self._aux_loss(routed, probs, n_tokens)
             if self.training and torch.is_grad_enabled() and a.aux_loss_coeff > 0:
                 out = AuxLossInjector.apply(out, aux * a.aux_loss_coeff)
         # not a recompute under activation checkpointing, not a shape inference
         if self.training and _Counting.enabled and torch._C._current_graph_task_id() == -1:
             self._record(routed, dropped, aux)
         return out.reshape(shape)
+
+    def _aux_loss(self, routed: torch.Tensor, probs: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """E x sum_e f_e P_e over the micro-batch (all of it under `sequence_sum`)."""
+        a = self.args
+        if self.sequence_sum is None:
+            share = routed.float() / (n_tokens * a.top_k)
+            return a.experts * (share * probs.mean(dim=0)).sum()
+        # one collective: the assignment counts (no gradient) beside the score sums
+        both = self.sequence_sum(torch.cat((routed.float(), probs.sum(dim=0))))
+        counts, score_sums = both[: a.experts], both[a.experts :]
+        assignments = counts.sum()  # the micro-batch's tokens x top_k, before any drop
+        share = counts / assignments
+        return a.experts * (share * score_sums / (assignments / a.top_k)).sum()
 
     # -- statistics and the bias ----------------------------------------------------------
     @torch.no_grad()

@@ -79,6 +79,23 @@ losses owe its keys and values; summed over the cp ranks that is cp times the
 gradient of their mean loss, so averaging over the dp x cp ranks ("dp_cp",
 parallel/mesh.py) gives world 1's gradient. The data-parallel wrappers (DDP, FSDP2,
 replicate) run over "dp_cp" for that reason.
+
+Mixture of experts. A MoE layer's auxiliary loss E x sum_e f_e P_e is that of the
+whole micro-batch at world 1; here each cp rank routes S/cp of its tokens.
+`apply_context_parallel` hands every `MoE` layer a `SequenceSum` over the cp group
+(its `sequence_sum`): the layer sums its per-expert assignment counts and score sums
+over the cp ranks in one all-reduce, so that every cp rank computes world 1's
+auxiliary loss. That all-reduce's backward is an all-reduce (sum) too: each cp rank
+adds its loss's auxiliary term, so the score sums of rank r owe every rank's term its
+gradient, cp times world 1's in all, and the average over "dp_cp" gives world 1's,
+as for the main loss. The routing counts the trainer sums (train/moe_load.py) stay
+each rank's own tokens'; `load_balance: bias` moves the bias by the step's load over
+the dp x cp ranks. A capacity factor (token dropping, first come first served in the
+order of the whole micro-batch's tokens) is not built under cp: the layout rules
+refuse it. Expert parallelism borrows its ranks from dp as without cp: an expert's
+gradient comes from the tokens of the cp ranks at the same cp coordinate in its
+expert group, and is summed over the ranks that hold the same experts, edp x cp
+(parallel/parallelize.py).
 """
 
 from __future__ import annotations
@@ -95,6 +112,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshforge.models.attention import Documents, attend, document_ids, repeat_kv
+from meshforge.models.moe import MoE
 
 try:  # the name of newer torch (the older one warns there that it is deprecated)
     from torch.distributed._functional_collectives import (
@@ -646,3 +664,38 @@ def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, method: str) 
     attend_all = methods[method](cp_mesh.get_group())
     for m in layers:
         m.attend = attend_all
+    sequence_sum = SequenceSum(cp_mesh.get_group())
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        if moe.args.capacity_factor is not None:  # the layout rules refuse it first
+            raise ValueError("model.moe.capacity_factor with parallel.cp > 1 is not yet built")
+        moe.sequence_sum = sequence_sum
+
+
+class SequenceSum:
+    """A mixture-of-experts layer's `sequence_sum` (models/moe.py) under context
+    parallelism: the sum of a tensor over the cp group, with autograd (module
+    docstring, Mixture of experts)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(t, self.group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over `group`; backward all-reduces the gradient (sum) too: each
+    rank's input reaches every rank's loss."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None

@@ -33,7 +33,12 @@ the average it takes of every other gradient. Under DDP and FSDP2's `replicate`
 `ExpertGradSync` all-reduces them over edp; under ZeRO-2/3 with edp > 1 they are FSDP
 units of their own on the edp mesh (sharded there too: each rank keeps
 experts / ep / edp of them), whose reduce-scatter averages over edp, and
-`ExpertGradSync` divides by ep.
+`ExpertGradSync` divides by ep. Under context parallelism the cp ranks hold the same
+experts too (each routes its share of the sequences' tokens): the expert weights stay
+plain tensors of this rank's experts under every ZeRO stage (FSDP cannot shard a
+DTensor over ("edp", "cp"), no slice of the mesh beside "ep"), and `ExpertGradSync`
+all-reduces them over "edp_cp" (edp x cp ranks, parallel/mesh.py) and divides by
+dp x cp.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     Expert parallel cuts dp into ("edp", "ep") and flattens them back into "dp".
     Context parallel (cp > 1) adds "cp" between the data-parallel dimensions and "tp",
     and flattens the data-parallel ones with it into "dp_cp": the ranks that hold the
-    same weights, over which gradients are reduced (`gradient_mesh`)."""
+    same weights, over which gradients are reduced (`gradient_mesh`); with expert
+    parallel also ("edp", "cp") into "edp_cp", the ranks that hold the same experts
+    (`expert_replica_dim`)."""
     if dims.parameter_server:
         raise ValueError("a parameter-server layout has no device mesh")
     if not dims.ep_enabled and not dims.cp_enabled:
@@ -31,6 +33,9 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
         mesh["edp", "ep"]._flatten("dp")
     if dims.cp_enabled:
         mesh[(*data, "cp")]._flatten("dp_cp")
+    if dims.ep_enabled and dims.cp_enabled:
+        # the ranks that hold the same experts: the cp ranks replicate them too
+        mesh["edp", "cp"]._flatten("edp_cp")
     # torch warns on every `mesh["dp"]` that slicing a flattened dimension from the root
     # is to be deprecated; every layout names "dp" the same way, so it is sliced so here
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
@@ -42,6 +47,12 @@ def gradient_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     gradients: "dp", and under context parallelism "dp_cp" (the cp ranks of a
     sequence train the same weights on different tokens of it)."""
     return mesh["dp_cp"] if dims.cp_enabled else mesh["dp"]
+
+
+def expert_replica_dim(dims: ParallelDims) -> str:
+    """The mesh dimension of the ranks that hold the same experts under expert
+    parallelism: "edp", and "edp_cp" under context parallelism."""
+    return "edp_cp" if dims.cp_enabled else "edp"
 
 
 def data_parallel_mesh(device: torch.device, dp: int) -> DeviceMesh:

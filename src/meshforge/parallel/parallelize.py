@@ -64,7 +64,7 @@ from meshforge.parallel.expert_parallel import (
     expert_parameters,
     localise_expert_weights,
 )
-from meshforge.parallel.mesh import gradient_mesh
+from meshforge.parallel.mesh import expert_replica_dim, gradient_mesh
 
 
 @dataclass
@@ -196,8 +196,12 @@ def build_model_parts(
     wrapper = _data_parallel_kind(dims)
     ignored = set(expert_parameters(modules)) if dims.ep_enabled else set()
     # ZeRO-2/3 with more than one expert group: FSDP shards the expert weights over the
-    # ranks that hold the same experts ("edp") too
-    fsdp_experts = bool(ignored) and wrapper == "fsdp" and dims.edp > 1
+    # ranks that hold the same experts ("edp") too. Not under context parallelism, whose
+    # cp ranks hold the same experts too: ("edp", "cp") is no slice of the mesh beside
+    # "ep" that FSDP could shard a DTensor over, so the experts stay whole there, reduced
+    # by ExpertGradSync over "edp_cp"
+    replicas, replica_dim = dims.edp * dims.cp, expert_replica_dim(dims)
+    fsdp_experts = bool(ignored) and wrapper == "fsdp" and dims.edp > 1 and not dims.cp_enabled
     experts = ExpertSharding(mesh["edp"]) if fsdp_experts else None
     # otherwise, once initialised, they train as plain tensors of this rank's experts
     local_experts = LocalExperts(mesh["ep"]) if ignored and not fsdp_experts else None
@@ -223,8 +227,8 @@ def build_model_parts(
     if ignored:
         # FSDP's reduce-scatter averaged the expert weights' gradients over edp (it
         # cannot divide by another factor on gloo: PREMUL_SUM); else all-reduce them
-        edp = mesh["edp"].get_group() if dims.edp > 1 and experts is None else None
-        divide = dims.ep if experts is not None else dims.dp
+        edp = mesh[replica_dim].get_group() if replicas > 1 and experts is None else None
+        divide = dims.ep if experts is not None else dims.dp * dims.cp
         # in the modules' order: every rank of the edp group reduces the same tensors in turn
         parts.expert_sync = ExpertGradSync(expert_parameters(modules), edp, divide)
     return parts

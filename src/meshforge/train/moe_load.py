@@ -5,10 +5,13 @@ its router made to each expert (before any capacity drop), the assignments dropp
 and its auxiliary loss. `ExpertLoad` takes those counts after each step:
 
 - under `load_balance: bias` it sums the step's counts over the data-parallel ranks
-  and moves each layer's routing bias (DeepSeek-V3), the same update world 1 makes;
+  (and the context-parallel ranks, each holding some of every sequence's tokens) and
+  moves each layer's routing bias (DeepSeek-V3), the same update world 1 makes;
 - every `log_every` steps it reduces the interval's counts over the world (each layer
   counted once per data-parallel rank: by tensor-parallel rank 0 of the stage that
-  holds it) into the row's `moe` section of metrics.jsonl.
+  holds it; under context parallelism each cp rank counts its own tokens, and the
+  auxiliary loss, the same on every cp rank, is averaged over the forwards of all)
+  into the row's `moe` section of metrics.jsonl.
 
 observe/expert_load.py reads those rows (report.json's `moe` section, a straggler's
 cause).
@@ -42,7 +45,10 @@ class ExpertLoad:
         self.experts = first.args.experts if first is not None else 0
         self.bias = first is not None and first.args.load_balance == "bias"
         self.counts_rank = dims.coords(rank)["tp"] == 0  # one copy of each tp group's counts
-        self.dp_group = mesh["dp"].get_group() if self.enabled and dims.dp > 1 else None
+        # the ranks whose tokens make up the step's batch: dp, and each sequence's cp ranks
+        replicas = "dp_cp" if dims.cp_enabled else "dp"
+        many = dims.dp * dims.cp > 1
+        self.dp_group = mesh[replicas].get_group() if self.enabled and many else None
         self._interval: dict[int, list[Any]] = {}
 
     def after_step(self) -> None:
