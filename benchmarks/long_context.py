@@ -52,18 +52,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
 
 from emit import emit
+from paired_run import launch
+from paired_run import worker as run_worker
 
 HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 2
@@ -103,43 +102,17 @@ def job(args: argparse.Namespace, seq: int, cp: int, method: str = "allgather") 
 
 # -- one torchrun of this file's --worker per sequence length --------------------------------
 def run_seq(args: argparse.Namespace, seq: int) -> dict:
-    from meshforge.launch.local import free_port
-
     forwarded = [f"--seq={seq}", f"--methods={args.methods}", f"--rounds={args.rounds}",
                  f"--block={args.block}", f"--model={args.model}"]  # fmt: skip
     env = dict(os.environ)
     if args.recalibrate:
         env["MESHFORGE_RECALIBRATE"] = "1"
-    for attempt in range(2):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--nproc_per_node={WORLD}",
-            str(Path(__file__).resolve()), "--worker", *forwarded,
-        ]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-        lines = out.stdout.strip().splitlines()
-        if lines and lines[-1].startswith("{"):
-            return json.loads(lines[-1])
-        errors = [ln for ln in out.stderr.splitlines() if "Error" in ln] or out.stderr.splitlines()
-        print(f"seq {seq} failed (attempt {attempt + 1}, rc {out.returncode}): "
-              + " | ".join(errors[-3:]), file=sys.stderr, flush=True)  # fmt: skip
-    raise RuntimeError(f"seq {seq} failed twice")
+    return launch(__file__, WORLD, forwarded, f"seq {seq}", timeout=3600, env=env)
 
 
 # -- the worker (one rank of torchrun): every side in this process ---------------------------
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo")
-    result = paired(args)
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    gc.collect()  # as benchmarks/moe.py leaves: gloo's pending drops, then no teardown
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker(paired, args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -40,16 +40,16 @@ and each round gives a ratio of two blocks run seconds apart.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+
+from paired_run import launch
+from paired_run import worker as run_worker
 
 HERE = Path(__file__).resolve().parent
 GLOBAL_BATCH = 16
@@ -106,56 +106,18 @@ def job(args: argparse.Namespace, ep: int, moe: bool) -> dict:
 def run_paired(args: argparse.Namespace, ep: int) -> dict:
     """One torchrun over `ep` ranks whose processes build every side and time them in
     alternating blocks of steps (the worker's `paired`)."""
-    from meshforge.launch.local import free_port
-
     forwarded = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
         for k in ("rounds", "block", "experts", "top_k", "expert_ffn", "shared", "d_model",
                   "layers", "seq")
     ]  # fmt: skip
     dense = ["--with-dense"] if ep == 1 and not args.no_dense else []
-    for attempt in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            # a fresh rendezvous port each run, on loopback
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            f"--nproc_per_node={ep}",
-            str(Path(__file__).resolve()),
-            "--worker",
-            *forwarded,
-            *dense,
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        lines = out.stdout.strip().splitlines()
-        if lines and lines[-1].startswith("{"):
-            return json.loads(lines[-1])
-        errors = [ln for ln in out.stderr.splitlines() if "Error" in ln] or out.stderr.splitlines()
-        print(
-            f"ep{ep} failed (attempt {attempt + 1}, rc {out.returncode}): "
-            + " | ".join(errors[-3:]),
-            file=sys.stderr,
-            flush=True,
-        )
-    raise RuntimeError(f"ep{ep} failed twice")
+    return launch(__file__, ep, [*forwarded, *dense], f"ep{ep}", timeout=1800)
 
 
 # -- the worker (one rank of torchrun): every side in this process ---------------------------
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo")
-    result = paired(args)
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    gc.collect()  # leave as plain_loop.leave does (gloo's pending drops, then no teardown)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker(paired, args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

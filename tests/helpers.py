@@ -279,3 +279,52 @@ def stop_processes(processes: list, timeout_s: float = 120.0) -> None:
                 break
             assert time.monotonic() < deadline, f"process {process.pid} never stopped"
             time.sleep(0.01)
+
+
+def assert_killed_run_resumes_at_world_1(tmp_path: Path, cli_job: dict[str, Any], key: str) -> None:
+    """`meshforge train` of `cli_job` (8 steps, a checkpoint every 4, `parallel.KEY: 2` on
+    two processes) killed after its step-4 checkpoint, then resumed in the same run
+    directory on one process with `parallel.KEY=1`: its steps 1-4 are world 1's (1e-4),
+    steps 5-8 on the uninterrupted world-1 curve (1e-3), and the report and segments
+    name both layouts (KEY 1: not listed)."""
+    import pytest
+
+    (tmp_path / "straight").mkdir()
+    straight = Job(tmp_path / "straight", {**cli_job, "parallel": {}}, name="straight")
+    straight.train(1)
+    job = Job(tmp_path, cli_job, name="killed")
+    first = job.train(2, env={"MESHFORGE_FAULT": "kill_after_checkpoint:4"}, check=False)
+    assert first.returncode == 1, first.stderr[-2000:]
+    assert (job.run_dir / "checkpoints" / "step-00000004").is_dir()
+    assert not (job.run_dir / "checkpoints" / "step-00000008").exists()
+    job.train(1, "--set", f"parallel.{key}=1")  # the same run directory, one process
+    report = job.report
+    assert report["resumed_from"] == 4
+    assert report["world_size"] == 1 and key not in report["layout"]
+    segments = [json.loads(line) for line in (job.run_dir / "segments.jsonl").open()]
+    layouts = [(r["world_size"], r["layout"].get(key)) for r in segments if "layout" in r]
+    assert layouts == [(2, 2), (1, None)], layouts
+    expected, got = straight.losses(), job.losses()
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got, expected)
+    for step in range(1, 5):  # the steps before the kill: world 1's too
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+
+
+def short_documents_jsonl(
+    directory: Path, count: int, max_words: int, max_chars: int, seed: int = 0
+) -> Path:
+    """DIRECTORY/docs.jsonl: `count` documents of 2 to max_words-1 code words, cut at
+    `max_chars` characters, so a short training sequence holds several separators."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = ["def", "return", "self", "import", "class", "value", "x", "=", "(", ")", ":"]
+    lines = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words, size=int(rng.integers(2, max_words))))[:max_chars]
+        lines.append(json.dumps({"text": text}))
+    path = directory / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

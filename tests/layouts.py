@@ -52,6 +52,18 @@ def _tokens(source: str):
     return _TOKENS[source]
 
 
+def step_batches(cfg: Any, engine: Any, step: int) -> list[Any]:
+    """This rank's micro-batches of `step`, as the trainer's loader hands them."""
+    from meshforge.data.loader import rank_micro_batches
+
+    t = cfg.train
+    return rank_micro_batches(
+        _tokens(cfg.data.source), seq_len=cfg.model.seq_len, global_batch=t.global_batch,
+        micro_batch=t.micro_batch, dp_rank=engine.dp_rank, dp_size=engine.dims.dp,
+        seed=t.seed, step=step,
+    )  # fmt: skip
+
+
 def train_layout(
     raw: dict[str, Any],
     steps: int,
@@ -62,7 +74,6 @@ def train_layout(
     """Run on every rank of the pool. Returns (on every rank) the mean loss of each
     step trained, and on rank 0 the parameter digests after loading / when saving."""
     from meshforge.config import build_config
-    from meshforge.data.loader import rank_micro_batches
     from meshforge.train.checkpoint import Checkpointer
     from meshforge.train.engine import Engine
 
@@ -70,7 +81,7 @@ def train_layout(
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.train.seed)
     engine = Engine.build(cfg, rank, world, torch.device("cpu"))
-    dims, t = engine.dims, cfg.train
+    dims = engine.dims
     checkpointer = None
     if ckpt_root is not None:
         checkpointer = Checkpointer(Path(ckpt_root), engine.optimizers, keep=3)
@@ -86,20 +97,10 @@ def train_layout(
         assert state is not None, "no checkpoint to resume from"
         start = int(state["step"])
         out["digest_loaded"] = engine.param_digest()
-    tokens = _tokens(cfg.data.source)
     for step in range(start, steps):
         micro_batches = []  # a parameter server reads no data
         if engine.reads_data:
-            micro_batches = rank_micro_batches(
-                tokens,
-                seq_len=cfg.model.seq_len,
-                global_batch=t.global_batch,
-                micro_batch=t.micro_batch,
-                dp_rank=engine.dp_rank,
-                dp_size=dims.dp,
-                seed=t.seed,
-                step=step,
-            )
+            micro_batches = step_batches(cfg, engine, step)
         result = engine.strategy.step(step, micro_batches, measure=False)
         loss = engine.strategy.reduce_loss(result.loss_sum / dims.microbatches).item()
         if step + 1 == steps:  # what the trainer reports: the states held after a step

@@ -13,11 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import yaml
 
-from helpers import TINY_JOB, assert_one_line_error, merge, meshforge
+from helpers import TINY_JOB, assert_one_line_error, merge, meshforge, short_documents_jsonl
 from layouts import assert_same_losses, job
 
 STEPS = 20
@@ -44,22 +43,17 @@ def train_cp(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from layouts import _tokens
+    from layouts import step_batches
     from meshforge.config import build_config
-    from meshforge.data.loader import rank_micro_batches
     from meshforge.train.engine import Engine
 
     cfg = build_config(raw)
     torch.manual_seed(cfg.train.seed)
     engine = Engine.build(cfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    dims, t = engine.dims, cfg.train
+    dims = engine.dims
     out: dict[str, Any] = {"losses": {}, "grad_norm": {}, "layout": dims.as_dict()}
     for step in range(steps):
-        micro_batches = rank_micro_batches(
-            _tokens(cfg.data.source), seq_len=cfg.model.seq_len, global_batch=t.global_batch,
-            micro_batch=t.micro_batch, dp_rank=engine.dp_rank, dp_size=dims.dp, seed=t.seed,
-            step=step,
-        )  # fmt: skip
+        micro_batches = step_batches(cfg, engine, step)
         result = engine.strategy.step(step, micro_batches, measure=step == 0)
         out["losses"][step + 1] = engine.strategy.reduce_loss(
             result.loss_sum / dims.microbatches
@@ -122,27 +116,13 @@ def test_every_cp_layout_matches_world_1_step_by_step(gloo, model, layout):
 # -- document masking ------------------------------------------------------------------------
 
 
-def _short_documents(directory: Path, count: int, seed: int = 0) -> Path:
-    """A JSONL file of `count` documents of 5 to 60 characters: a 256-token training
-    sequence holds many separators, some on each side of a chunk boundary."""
-    rng = np.random.default_rng(seed)
-    words = ["def", "return", "self", "import", "class", "value", "x", "=", "(", ")", ":"]
-    lines = []
-    for _ in range(count):
-        text = " ".join(rng.choice(words, size=int(rng.integers(2, 12))))[:60]
-        lines.append(json.dumps({"text": text}))
-    path = directory / "docs.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory) -> str:
     """Byte-token shards of many short documents, separated by the byte tokenizer's 0x1e."""
     from meshforge.data.shards import prepare
 
     root = tmp_path_factory.mktemp("cpdocs")
-    prepare(_short_documents(root, 4000), root / "shards")
+    prepare(short_documents_jsonl(root, 4000, max_words=12, max_chars=60), root / "shards")
     return str(root / "shards")
 
 

@@ -5,12 +5,10 @@ in-process on the shared gloo pool (tests/layouts.py), and end to end through
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from test_context_parallel import cp_job
 
-from helpers import Job, assert_one_line_error
+from helpers import Job, assert_killed_run_resumes_at_world_1, assert_one_line_error
 from layouts import train_layout
 
 STEPS = 20
@@ -60,27 +58,7 @@ CLI_JOB = {
 
 @pytest.mark.slow
 def test_a_run_killed_under_cp2_resumes_at_world_1_on_the_uninterrupted_curve(tmp_path):
-    (tmp_path / "straight").mkdir()
-    straight = Job(tmp_path / "straight", {**CLI_JOB, "parallel": {}}, name="straight")
-    straight.train(1)
-    job = Job(tmp_path, CLI_JOB, name="killed")
-    first = job.train(2, env={"MESHFORGE_FAULT": "kill_after_checkpoint:4"}, check=False)
-    assert first.returncode == 1, first.stderr[-2000:]
-    assert (job.run_dir / "checkpoints" / "step-00000004").is_dir()
-    assert not (job.run_dir / "checkpoints" / "step-00000008").exists()
-    job.train(1, "--set", "parallel.cp=1")  # the same run directory, one process
-    report = job.report
-    assert report["resumed_from"] == 4
-    assert report["world_size"] == 1 and "cp" not in report["layout"]  # cp 1: not listed
-    segments = [json.loads(line) for line in (job.run_dir / "segments.jsonl").open()]
-    layouts = [(r["world_size"], r["layout"].get("cp")) for r in segments if "layout" in r]
-    assert layouts == [(2, 2), (1, None)], layouts
-    expected, got = straight.losses(), job.losses()
-    assert sorted(got) == sorted(expected) == list(range(1, 9))
-    for step in range(5, 9):
-        assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got, expected)
-    for step in range(1, 5):  # the cp2 steps before the kill: world 1's too
-        assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+    assert_killed_run_resumes_at_world_1(tmp_path, CLI_JOB, "cp")
 
 
 # -- a run trained at a short context goes on at a longer one --------------------------------
@@ -113,5 +91,5 @@ def test_a_llama_run_goes_on_at_a_longer_context_and_a_gpt_run_is_refused(tmp_pa
     gpt.train(1)
     before = sorted(p.name for p in gpt.run_dir.rglob("*"))
     refused = gpt.train(1, "--set", "model.seq_len=64", "--set", "train.steps=6", check=False)
-    assert_one_line_error(refused, "another model", "model.seq_len 32 -> 64")
+    assert_one_line_error(refused, "another model", "model.seq_len 32 -> 64", "learned position")
     assert sorted(p.name for p in gpt.run_dir.rglob("*")) == before

@@ -3,7 +3,6 @@ is refused, in one line, where it cannot apply."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -11,26 +10,12 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import TINY_JOB, assert_one_line_error, merge, meshforge
+from helpers import TINY_JOB, assert_one_line_error, merge, meshforge, short_documents_jsonl
 from layouts import assert_same_losses, job, train_layout
 
 STEPS = 6
 RTOL = 1e-4
 TESTS = str(Path(__file__).parents[1])  # user_models.py, a factory model
-
-
-def _short_documents(directory: Path, count: int, seed: int = 0) -> Path:
-    """A JSONL file of `count` documents of 5 to 40 characters: a 32-token training
-    sequence holds one or more separators."""
-    rng = np.random.default_rng(seed)
-    words = ["def", "return", "self", "import", "class", "value", "x", "=", "(", ")", ":"]
-    lines = []
-    for _ in range(count):
-        text = " ".join(rng.choice(words, size=int(rng.integers(2, 8))))[:40]
-        lines.append(json.dumps({"text": text}))
-    path = directory / "docs.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +24,7 @@ def short_docs(tmp_path_factory) -> str:
     from meshforge.data.shards import prepare
 
     root = tmp_path_factory.mktemp("docmask")
-    prepare(_short_documents(root, 2000), root / "shards")
+    prepare(short_documents_jsonl(root, 2000, max_words=8, max_chars=40), root / "shards")
     return str(root / "shards")
 
 

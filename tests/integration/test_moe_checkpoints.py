@@ -5,13 +5,12 @@ resumed at world 1."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from test_moe_layouts import MOE_TINY, moe_job
 
-from helpers import Job
+from helpers import assert_killed_run_resumes_at_world_1
 from layouts import train_layout
 
 STEPS = 20
@@ -122,24 +121,4 @@ CLI_JOB = {
 
 @pytest.mark.slow
 def test_a_run_killed_under_ep2_resumes_at_world_1_on_the_uninterrupted_curve(tmp_path):
-    (tmp_path / "straight").mkdir()
-    straight = Job(tmp_path / "straight", {**CLI_JOB, "parallel": {}}, name="straight")
-    straight.train(1)
-    job = Job(tmp_path, CLI_JOB, name="killed")
-    first = job.train(2, env={"MESHFORGE_FAULT": "kill_after_checkpoint:4"}, check=False)
-    assert first.returncode == 1, first.stderr[-2000:]
-    assert (job.run_dir / "checkpoints" / "step-00000004").is_dir()
-    assert not (job.run_dir / "checkpoints" / "step-00000008").exists()
-    job.train(1, "--set", "parallel.ep=1")  # the same run directory, one process
-    report = job.report
-    assert report["resumed_from"] == 4
-    assert report["world_size"] == 1 and "ep" not in report["layout"]  # ep 1: not listed
-    segments = [json.loads(line) for line in (job.run_dir / "segments.jsonl").open()]
-    layouts = [(r["world_size"], r["layout"].get("ep")) for r in segments if "layout" in r]
-    assert layouts == [(2, 2), (1, None)], layouts
-    expected, got = straight.losses(), job.losses()
-    assert sorted(got) == sorted(expected) == list(range(1, 9))
-    for step in range(5, 9):
-        assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got, expected)
-    for step in range(1, 5):  # the ep2 steps before the kill: world 1's too
-        assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+    assert_killed_run_resumes_at_world_1(tmp_path, CLI_JOB, "ep")

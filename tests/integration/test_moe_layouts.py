@@ -82,9 +82,8 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from layouts import _tokens
+    from layouts import step_batches
     from meshforge.config import build_config
-    from meshforge.data.loader import rank_micro_batches
     from meshforge.train.engine import Engine
     from meshforge.train.moe_load import ExpertLoad
 
@@ -92,15 +91,11 @@ def train_with_load(raw: dict[str, Any], steps: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.train.seed)
     engine = Engine.build(cfg, rank, world, torch.device("cpu"))
-    dims, t = engine.dims, cfg.train
+    dims = engine.dims
     load = ExpertLoad(engine.parts, dims, engine.mesh, rank, cfg.model.n_layers)
     out: dict[str, Any] = {"losses": {}, "moe": {}, "grad_norm": {}, "layout": dims.as_dict()}
     for step in range(steps):
-        micro_batches = rank_micro_batches(
-            _tokens(cfg.data.source), seq_len=cfg.model.seq_len, global_batch=t.global_batch,
-            micro_batch=t.micro_batch, dp_rank=engine.dp_rank, dp_size=dims.dp, seed=t.seed,
-            step=step,
-        )  # fmt: skip
+        micro_batches = step_batches(cfg, engine, step)
         result = engine.strategy.step(step, micro_batches, measure=False)
         out["losses"][step + 1] = engine.strategy.reduce_loss(
             result.loss_sum / dims.microbatches

@@ -434,6 +434,12 @@ def test_a_folder_that_is_not_a_meshforge_run_is_refused_unless_fresh(tmp_path, 
     assert sorted(p.name for p in foreign.iterdir()) == [
         "config.yaml", "metrics.jsonl", "report.html"]  # fmt: skip
     assert (foreign / "config.yaml").read_text() == "learning_rate: 0.1\n"
+    # `meshforge report` on it writes its page but adopts none of the user's files as
+    # meshforge's: --fresh still refuses, and every file of theirs stays
+    assert meshforge(["report", str(foreign)], timeout=60).returncode == 0
+    assert_one_line_error(meshforge(fresh), "is not a meshforge run", "nothing removed")
+    assert (foreign / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+    assert (foreign / "config.yaml").read_text() == "learning_rate: 0.1\n"
 
 
 def test_fresh_removes_only_what_meshforge_writes_and_names_what_it_kept(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_document_mask import _gpt, _llama, _token_losses
 
 from meshforge.models.attention import (
     ATTENTION_ENV,
@@ -18,8 +18,6 @@ from meshforge.models.attention import (
     attention_path,
     documents_of,
 )
-from meshforge.models.gpt import GPT, GPTArgs
-from meshforge.models.llama import Llama, LlamaArgs
 from meshforge.models.registry import blocks_of
 
 EOT = 9
@@ -95,23 +93,6 @@ def test_attention_dropout_keeps_the_explicit_mask_under_flex(monkeypatch):
     got = attend(q, k, v, docs, dropout_p=0.5)
     assert torch.equal(got, want)
     assert "block_mask" not in vars(docs)  # never built
-
-
-def _gpt() -> GPT:
-    return GPT(GPTArgs(vocab_size=16, d_model=32, n_layers=2, n_heads=2, seq_len=16))
-
-
-def _llama() -> Llama:
-    args = LlamaArgs(
-        vocab_size=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, ffn_hidden=64
-    )
-    return Llama(args)
-
-
-def _token_losses(model, idx: torch.Tensor, docs=None) -> torch.Tensor:
-    """Per-token cross-entropy of predicting idx[t+1] from idx[..t]."""
-    logits = model(idx[:, :-1]) if docs is None else model(idx[:, :-1], docs=docs)
-    return F.cross_entropy(logits.flatten(0, 1), idx[0, 1:], reduction="none")
 
 
 @pytest.mark.parametrize("build", [_gpt, _llama], ids=["gpt", "llama"])

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from meshforge.observe.console import headline_label, print_summary, segment_text
 from meshforge.rundir.segments import close_segment, open_segment
-from meshforge.train.report import history_figures, run_history
+from meshforge.train.report import _tp_comm, history_figures, run_history
 
 EP2 = {"dp": 2, "tp": 1, "pp": 1, "zero": 0, "ep": 2}
 ONE = {"dp": 1, "tp": 1, "pp": 1, "zero": 0}
@@ -95,3 +95,15 @@ def test_a_segment_that_logged_only_its_start_up_shows_the_headline_figures(tmp_
     assert figures["tokens_per_s"] == 4888.0
     assert figures["segments"][1]["tokens_per_s"] == 4888.0
     assert figures["segments"][1]["mfu"] == 0.2
+
+
+def test_the_profiled_collectives_are_the_last_segments_own():
+    """report.json's `tp_comm` (tp's and cp's collectives in one profiled step): a run
+    resumed under another layout shows its last segment's profile, or none, never an
+    earlier layout's."""
+    first = [{"step": 3, "segment": 1, "tp_comm_s": 0.5}, {"step": 4, "segment": 1}]
+    assert _tp_comm(first, 1.0) == {"step": 3, "seconds": 0.5, "fraction_of_step": 0.5}
+    resumed = [*first, {"step": 5, "segment": 2}, {"step": 6, "segment": 2}]
+    assert _tp_comm(resumed, 1.0) is None
+    profiled = [*resumed[:-1], {"step": 6, "segment": 2, "tp_comm_s": 0.1}]
+    assert _tp_comm(profiled, 0.5) == {"step": 6, "seconds": 0.1, "fraction_of_step": 0.2}

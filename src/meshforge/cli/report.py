@@ -43,7 +43,9 @@ def report_command(
     from meshforge.rundir.outputs import claim, holds_a_run
 
     runs = [run_dir] if run_dir_b is None else [run_dir, run_dir_b]
-    if out is None and holds_a_run(run_dir):  # the page is meshforge's, for --fresh
+    # the page is meshforge's, for --fresh, in a run's directory only: in a folder of
+    # the user's own (a metrics.jsonl of theirs) nothing is adopted as meshforge's
+    if out is None and holds_a_run(run_dir):
         claim(run_dir, default_out(runs).name)
     print(write_html(runs, out, cluster))
     if png:

@@ -143,9 +143,15 @@ def check_earlier_run(cfg: JobConfig, run_dir: Path, fresh: bool) -> Decision:
     if longer is not None:
         changed.remove(longer)
     if changed:
+        why = ""
+        if any(c.startswith("model.seq_len ") for c in changed) and cfg.model.name == "gpt":
+            why = (
+                " (the GPT's learned position table is sized by model.seq_len; a llama, "
+                "with rotary positions, goes on at another length)"
+            )
         raise ConfigError(
             f"run directory {run_dir} holds a run of another model (the run's -> this "
-            f"job's: {', '.join(changed)}); "
+            f"job's: {', '.join(changed)}){why}; "
             "start over there with --fresh, or use another --run-dir"
         )
     t, reached = cfg.train, earlier.reached

@@ -242,12 +242,17 @@ def _parallel_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     tp = report.get("tp_comm")
     if isinstance(tp, dict) and isinstance(tp.get("seconds"), int | float):
         share = tp.get("fraction_of_step")
+        layout = report.get("layout") or {}
+        tp_on, cp_on = ((layout.get(k, 1) or 1) > 1 for k in ("tp", "cp"))
+        label = {(True, True): "tp + cp collectives", (False, True): "cp K/V exchange"}.get(
+            (tp_on, cp_on), "tensor-parallel comm"
+        )
         rows.append(
             (
-                "tensor-parallel comm",
+                label,
                 f"{1e3 * tp['seconds']:.1f} ms in a profiled step"
                 + (f" ({format_percent(share)} of a median step)" if share is not None else "")
-                + "; counted as exposed communication in the time breakdown",
+                + "; its share of that step's compute is counted as exposed communication",
             )
         )
     return rows

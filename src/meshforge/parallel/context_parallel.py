@@ -247,11 +247,11 @@ def _sequence_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor
     return torch.argsort(key_positions(seq_len, cp)).to(device)
 
 
-class AllGatherAttend:
-    """`parallel.cp_method: allgather`: an attention module's attend (models/attention.py)
-    that all-gathers K and V over the cp group, then attends this rank's queries against
-    all keys (module docstring): with documents under their mask; plain causal
-    attention block by block (`_CausalBlocks`, on CPU) or under a causal mask."""
+class _ContextAttend:
+    """What the cp methods' attends share: the cp group, and the `ContextDocuments` of
+    `ContextSplit.shard` required before `attend` runs on this rank's tokens."""
+
+    needs = "the queries' positions"  # what the method reads of the ContextDocuments
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -266,9 +266,30 @@ class AllGatherAttend:
     ) -> torch.Tensor:
         if not isinstance(docs, ContextDocuments):
             raise RuntimeError(
-                "context-parallel attention needs the ContextDocuments of "
-                "ContextSplit.shard (the queries' positions, their mask)"
+                f"context-parallel attention needs the ContextDocuments of "
+                f"ContextSplit.shard ({self.needs})"
             )
+        return self.attend_local(q, k, v, docs, dropout_p)
+
+    def attend_local(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: ContextDocuments,
+        dropout_p: float,
+    ) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+
+class AllGatherAttend(_ContextAttend):
+    """`parallel.cp_method: allgather`: an attention module's attend (models/attention.py)
+    that all-gathers K and V over the cp group, then attends this rank's queries against
+    all keys (module docstring): with documents under their mask; plain causal
+    attention block by block (`_CausalBlocks`, on CPU) or under a causal mask."""
+
+    needs = "the queries' positions, their mask"
+
+    def attend_local(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: ContextDocuments,
+        dropout_p: float,
+    ) -> torch.Tensor:  # fmt: skip
         # one collective for K and V: (b, h, s, d) x 2 -> (s, 2, b, h, d), gathered along
         # the sequence (dim 0, so the ranks' blocks simply follow each other); under
         # grouped-query attention their fewer heads travel, repeated after the gather
@@ -292,28 +313,18 @@ class AllGatherAttend:
         return all_gather_autograd(t, 0, self.group)
 
 
-class AllToAllAttend:
+class AllToAllAttend(_ContextAttend):
     """`parallel.cp_method: alltoall` (DeepSpeed Ulysses): an attention module's attend
     (models/attention.py) that trades heads for sequence by an all-to-all over the cp
     group, attends its h/cp heads over the whole sequence as at world 1, and trades
     back (module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    needs = "the queries' positions, the documents' ids"
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        docs: Documents | None = None,
-        dropout_p: float = 0.0,
-    ) -> torch.Tensor:
-        if not isinstance(docs, ContextDocuments):
-            raise RuntimeError(
-                "context-parallel attention needs the ContextDocuments of "
-                "ContextSplit.shard (the queries' positions, the documents' ids)"
-            )
+    def attend_local(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: ContextDocuments,
+        dropout_p: float,
+    ) -> torch.Tensor:  # fmt: skip
         cp = docs.size
         b, h, s, d = q.shape
         if h % cp:  # the layout rules refuse this first
@@ -431,7 +442,7 @@ class _CausalBlocks(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-class RingAttend:
+class RingAttend(_ContextAttend):
     """`parallel.cp_method: ring` (ring attention): an attention module's attend
     (models/attention.py) that passes this rank's keys and values around the cp ranks,
     one neighbour to the next, while it attends each visiting rank's block (module
@@ -439,22 +450,12 @@ class RingAttend:
     attention dropout it refuses (the layout rules refuse document masking first).
     The exchange is one method, `rotate`, so that tests can substitute it."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    needs = "the queries' positions"
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        docs: Documents | None = None,
-        dropout_p: float = 0.0,
-    ) -> torch.Tensor:
-        if not isinstance(docs, ContextDocuments):
-            raise RuntimeError(
-                "context-parallel attention needs the ContextDocuments of "
-                "ContextSplit.shard (the queries' positions)"
-            )
+    def attend_local(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: ContextDocuments,
+        dropout_p: float,
+    ) -> torch.Tensor:  # fmt: skip
         if docs.mask is not None:  # the layout rules refuse this first
             raise ValueError(
                 "cp_method ring: document masking is not yet built; use allgather or alltoall"

@@ -35,6 +35,7 @@ from meshforge.rundir.outputs import (
     RUN_FOLDERS,
     RUN_MARKERS,
     WORKERS_LOCK_FILE,
+    is_job_config,
     legacy_entries,
     recorded_outputs,
     rewrite_outputs,
@@ -110,11 +111,6 @@ def earlier_run(run_dir: Path) -> EarlierRun | None:
         committed_checkpoints(run_dir),
         read_records(run_dir),
     )
-
-
-def is_job_config(config: dict[str, Any]) -> bool:
-    """Whether a config.yaml is a meshforge job's (as `save_config` writes it)."""
-    return all(isinstance(config.get(key), dict) for key in ("model", "data", "train"))
 
 
 def remove_earlier_run(run_dir: Path) -> str | None:

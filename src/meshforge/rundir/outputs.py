@@ -29,6 +29,9 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from meshforge.errors import ConfigError
 from meshforge.rundir.records import read_jsonl
@@ -161,8 +164,27 @@ def legacy_entries(run_dir: Path) -> list[str]:
     return [n for n in dict.fromkeys(found) if n not in LOCK_FILES and n != OUTPUTS_FILE]
 
 
+def is_job_config(config: dict[str, Any]) -> bool:
+    """Whether a config.yaml is a meshforge job's (as `save_config` writes it)."""
+    return all(isinstance(config.get(key), dict) for key in ("model", "data", "train"))
+
+
 def holds_a_run(run_dir: Path) -> bool:
-    return any(os.path.lexists(Path(run_dir) / name) for name in RUN_MARKERS)
+    """Whether RUN_DIR holds what only a meshforge run leaves: a config.yaml that is a
+    job config, checkpoints/ or segments.jsonl. A metrics.jsonl or report.json alone, or
+    a config.yaml of another kind, may be the user's own (the launcher refuses such a
+    folder, rundir.py `check_is_a_run`): they are never adopted as meshforge's."""
+    run_dir = Path(run_dir)
+    if any(os.path.lexists(run_dir / name) for name in ("checkpoints", SEGMENTS_FILE)):
+        return True
+    config = run_dir / "config.yaml"
+    if config.is_symlink() or not config.is_file():
+        return False
+    try:
+        loaded = yaml.safe_load(config.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(loaded, dict) and is_job_config(loaded)
 
 
 def _start(run_dir: Path) -> set[str]:

@@ -77,7 +77,7 @@ class CommMeasure:
             )
         if self.dims.cp_enabled:
             return (
-                "context-parallel K/V exchange"
+                f"context-parallel exchange ({self.dims.cp_method})"
                 + (" and tensor-parallel collectives" if self.dims.tp_enabled else "")
                 + " profiled in one sampled step (the data-parallel reduction not included)"
             )

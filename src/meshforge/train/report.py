@@ -337,14 +337,16 @@ def restarts_of_this_run(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _tp_comm(rows: list[dict[str, Any]], step_time_s: float | None) -> dict[str, float] | None:
-    """The profiled step's TP collective time, and its share of the median step (the
-    profiled step itself runs slower under the profiler)."""
-    sampled = [r for r in rows if r.get("tp_comm_s") is not None]
+    """The last segment's profiled step: its TP (and cp) collective time, and its share
+    of the median step (the profiled step itself runs slower under the profiler). None
+    when the last segment profiled none (an earlier layout's figure is not this one's)."""
+    last = rows[-1].get("segment") if rows else None
+    sampled = [r for r in rows if r.get("tp_comm_s") is not None and r.get("segment") == last]
     if not sampled:
         return None
-    seconds = sampled[0]["tp_comm_s"]
+    seconds = sampled[-1]["tp_comm_s"]
     return {
-        "step": sampled[0]["step"],
+        "step": sampled[-1]["step"],
         "seconds": seconds,
         "fraction_of_step": seconds / step_time_s if step_time_s else None,
     }
